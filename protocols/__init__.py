@@ -1,0 +1,1 @@
+"""marsi's contracts: run config, process-boundary messages, the environment interface. No torch, no Ray."""

@@ -1,0 +1,358 @@
+"""The run config: strict pydantic models read from YAML, with dotted overrides.
+
+Every model forbids unknown keys. `load_config` turns any problem into one `ConfigError` line that
+names the file, the dotted key, the bad value and what is expected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from protocols.imports import ImportPathError, absolute_spec, import_object
+
+
+class ConfigError(ValueError):
+    """A user error in a run config; its message is one line."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+# ---------------------------------------------------------------------------------------- agents
+class GenerationConfig(_Strict):
+    max_completion_length: int = Field(32, ge=1)
+    """Most new tokens per completion."""
+    max_prompt_length: int = Field(512, ge=1)
+    """Prompts longer than this are cut from the left (the start), and reported as truncated."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature; log-probs are computed at the same temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = Field(0, ge=0)
+    """Sample among the k most likely tokens; 0 disables."""
+    use_chat_template: bool | None = None
+    """Wrap prompts in the tokenizer's chat template; None: when the tokenizer has one."""
+
+
+class OptimizerConfig(_Strict):
+    lr: float = Field(1e-5, gt=0.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    """Clip the global gradient norm to this; None disables clipping."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate decay after warm-up, over the agent's scheduled updates."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up updates."""
+
+
+class ResourcesConfig(_Strict):
+    num_gpus: float = Field(0.0, ge=0.0)
+    """GPUs for this agent's trainer actor; 0 runs it on CPU."""
+    num_cpus: float = Field(1.0, gt=0.0)
+    """CPU cores for the actor; torch's thread count is set to max(1, floor(num_cpus))."""
+
+
+class AgentConfig(_Strict):
+    model: str
+    """`builtin:tiny`, `builtin:smollm2-135m-instruct`, a local path, or a hub id."""
+    tokenizer: str | None = None
+    """Tokenizer path or hub id; None: the model's."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype."""
+    micro_batch_size: int = Field(16, ge=1)
+    """Sequences per forward/backward in an update; gradients accumulate over micro-batches."""
+    generation: GenerationConfig = GenerationConfig()
+    """Sampling settings."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """Optimizer and learning-rate schedule."""
+    resources: ResourcesConfig = ResourcesConfig()
+    """Resources of the trainer actor."""
+
+
+# ----------------------------------------------------------------------------------- environment
+class EnvironmentConfig(_Strict):
+    name: str
+    """Import path `package.module:Class`, or `file.py:Class` relative to the config file."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments for the environment's constructor."""
+
+
+class RolesConfig(_Strict):
+    assignment: dict[str, str]
+    """Role -> agent for the first turn of the first episode; one agent may hold several roles."""
+    rotation: Literal["none", "per_episode", "per_turn"] = "none"
+    """How often the assignment advances along the cycle."""
+    cycle: list[dict[str, str]] | None = None
+    """Explicit cycle of assignments; None: the rotations of `assignment` (role i gets role i+1's agent)."""
+
+
+class ScheduleConfig(_Strict):
+    kind: Literal["simultaneous", "alternate", "round_robin", "pattern"] = "simultaneous"
+    """Which agents update at each step."""
+    period: int = Field(1, ge=1)
+    """`alternate` / `round_robin`: steps each agent trains before the next one's turn."""
+    order: list[str] | None = None
+    """`alternate` / `round_robin`: agents in turn order; None: the trainable agents as declared."""
+    pattern: list[list[str]] | None = None
+    """`pattern`: agent sets cycled one per step."""
+    frozen: list[str] = []
+    """Agents that never update (opponents, judges)."""
+
+
+class AlgorithmConfig(_Strict):
+    discount: float = Field(1.0, ge=0.0, le=1.0)
+    """Return of turn t: sum over k >= t of discount**(k - t) * reward_k."""
+    baseline: Literal["group", "ema"] = "group"
+    """`group`: minus the group mean (GRPO). `ema`: minus an EMA of returns per role (SPIRAL's RAE)."""
+    group_by: Literal["agent", "agent_turn"] = "agent"
+    """Group members share sample, agent and (for `agent_turn`) turn index."""
+    scale_rewards: bool = True
+    """Divide group-relative advantages by the group's std (GRPO); False: Dr. GRPO."""
+    ema_decay: float = Field(0.95, ge=0.0, lt=1.0)
+    """Decay of the per-role EMA baseline."""
+    beta: float = Field(0.0, ge=0.0)
+    """Weight of the k3 KL to the frozen initial model; 0 loads no reference model."""
+    epsilon: float = Field(0.2, gt=0.0)
+    """Clip range of the importance ratio."""
+    num_iterations: int = Field(1, ge=1)
+    """Passes over each batch of experiences per update (PPO epochs)."""
+    loss_aggregation: Literal["token", "sequence"] = "token"
+    """`token`: mean over all completion tokens of the batch (DAPO). `sequence`: mean per sequence, then over sequences (GRPO)."""
+
+
+# ------------------------------------------------------------------------------------- data/run
+class DataConfig(_Strict):
+    path: str | None = None
+    """A json/jsonl/csv/parquet file, relative to the config file."""
+    factory: str | None = None
+    """`module:function` or `file.py:function` returning a `datasets.Dataset`."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments for `factory`."""
+    hub: str | None = None
+    """A dataset name for `datasets.load_dataset` (needs the hub, or its local cache)."""
+    split: str = "train"
+    """Split to use with `hub`."""
+    shuffle: bool = True
+    """Reshuffle the data each epoch with the run's seed."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        given = [k for k in ("path", "factory", "hub") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"data: set exactly one of path, factory, hub (got {given or 'none'})")
+        return self
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(10, ge=1)
+    """Training steps."""
+    batch_size: int = Field(4, ge=1)
+    """Samples per step; each plays `num_generations` episodes."""
+    num_generations: int = Field(4, ge=1)
+    """Episodes per sample: the group over which advantages are relative."""
+    seed: int = 0
+    """Seed of data order, sampling and every RNG."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Checkpoint every this many steps (and at the end); 0: only at the end."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Newest checkpoints kept."""
+    run_dir: str = "runs/{name}-{time}"
+    """Run directory; `{name}` is the config file's stem, `{time}` the start time."""
+    transcripts_per_step: int = Field(2, ge=0)
+    """Episodes per step written whole to transcripts.jsonl."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+class LoggingConfig(_Strict):
+    tensorboard: bool = False
+    """Also write TensorBoard events (needs the `tensorboard` extra)."""
+    wandb_project: str | None = None
+    """Also log to this Weights & Biases project (needs the `wandb` extra)."""
+
+
+class RayConfig(_Strict):
+    enabled: bool = True
+    """False: trainers run in-process, same results for the same seed."""
+    address: str | None = None
+    """Join this cluster; None: `RAY_ADDRESS`, else start a local one."""
+    num_cpus: float | None = None
+    """CPUs of a local cluster; None: Ray's default."""
+    num_gpus: int | None = None
+    """GPUs of a local cluster; None: Ray's default."""
+    placement_timeout_s: float = Field(60.0, gt=0.0)
+    """Seconds to wait for the trainers' placement group."""
+
+
+class RunConfig(_Strict):
+    agents: dict[str, AgentConfig]
+    """Agent name -> its model, sampling, optimizer and resources."""
+    environment: EnvironmentConfig
+    """The turn-based environment."""
+    roles: RolesConfig
+    """Which agent plays which role, and how that rotates."""
+    data: DataConfig
+    """The task samples each episode starts from."""
+    schedule: ScheduleConfig = ScheduleConfig()
+    """Which agents update at which step."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Returns, advantages and the loss."""
+    train: TrainConfig = TrainConfig()
+    """Steps, batch, seed, checkpoints, run directory."""
+    logging: LoggingConfig = LoggingConfig()
+    """Optional metric sinks."""
+    ray: RayConfig = RayConfig()
+    """Ray cluster settings."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        agents = list(self.agents)
+        if not agents:
+            raise ValueError("agents: define at least one agent")
+
+        def known(key: str, names: list[str]) -> None:
+            for name in names:
+                if name not in self.agents:
+                    raise ValueError(f"{key}: agent {name!r} is not defined; defined agents: {', '.join(agents)}")
+
+        known("roles.assignment", list(self.roles.assignment.values()))
+        for i, assignment in enumerate(self.roles.cycle or []):
+            known(f"roles.cycle.{i}", list(assignment.values()))
+            if set(assignment) != set(self.roles.assignment):
+                raise ValueError(
+                    f"roles.cycle.{i}: roles {sorted(assignment)} differ from roles.assignment's "
+                    f"{sorted(self.roles.assignment)}; every assignment must seat the same roles"
+                )
+        known("schedule.frozen", self.schedule.frozen)
+        known("schedule.order", self.schedule.order or [])
+        for i, group in enumerate(self.schedule.pattern or []):
+            known(f"schedule.pattern.{i}", group)
+        if self.schedule.kind == "pattern" and not self.schedule.pattern:
+            raise ValueError("schedule.pattern: kind 'pattern' needs a non-empty list of agent lists")
+        frozen_ordered = set(self.schedule.order or []) & set(self.schedule.frozen)
+        if frozen_ordered:
+            raise ValueError(f"schedule.order: {sorted(frozen_ordered)} are also in schedule.frozen; remove them from one")
+        if self.algorithm.baseline == "group" and self.train.num_generations < 2:
+            raise ValueError(
+                f"train.num_generations: group-relative advantages need at least 2 episodes per group "
+                f"(got {self.train.num_generations}); set train.num_generations >= 2 or algorithm.baseline=ema"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------- loading
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `dotted.key=value` overrides (values parsed as YAML) onto a nested dict, in place."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. train.steps=5")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part) if isinstance(node, dict) else None
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} holds a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
+    loc = [str(p) for p in error["loc"]]
+    key = ".".join(loc)
+    if error["type"] == "extra_forbidden":
+        parent = _model_at(model, error["loc"][:-1])
+        allowed = ", ".join(parent.model_fields) if parent else "see `marsi schema`"
+        return f"{key}: unknown key; allowed keys here: {allowed}"
+    msg = error["msg"].removeprefix("Value error, ")
+    if not loc:
+        return msg
+    if error["type"] == "missing":
+        return f"{key}: missing; this key is required (see `marsi schema`)"
+    return f"{key}: {msg} (got {error.get('input')!r})"
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class that sits at `loc` inside `model`, if any."""
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int) or current is None:
+            continue
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(part)
+            current = field.annotation if field else None
+        else:
+            current = None
+        if current is not None and hasattr(current, "__args__"):  # dict[str, Model], list[...], Optional
+            current = next((a for a in current.__args__ if isinstance(a, type) and issubclass(a, BaseModel)), current)
+        if hasattr(current, "__args__"):
+            current = None
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None, *, check_imports: bool = True) -> RunConfig:
+    """Read, override and validate a run config; any problem raises a one-line `ConfigError`."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config ({exc.strerror}); check the path") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}{where}: malformed YAML: {problem}; fix the syntax there") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (agents, environment, ...), got {type(raw).__name__}")
+    try:
+        apply_overrides(raw, overrides or [])
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return validate_config(raw, source=path, check_imports=check_imports)
+
+
+def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", check_imports: bool = True) -> RunConfig:
+    """Validate a config mapping; `source` names it in errors and anchors relative paths."""
+    try:
+        config = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        errors = exc.errors()
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise ConfigError(f"{source}: {_describe(errors[0], RunConfig)}{more}") from None
+    # Paths relative to the config file become absolute, so the resolved config stands alone.
+    base = Path(source).resolve().parent if str(source) != "<config>" else Path.cwd()
+    config.environment.name = absolute_spec(config.environment.name, base)
+    if config.data.factory is not None:
+        config.data.factory = absolute_spec(config.data.factory, base)
+    if config.data.path is not None:
+        config.data.path = str((base / config.data.path).resolve())
+    if check_imports:
+        for key, spec in (("environment.name", config.environment.name), ("data.factory", config.data.factory)):
+            if spec is None:
+                continue
+            try:
+                import_object(spec)
+            except ImportPathError as exc:
+                raise ConfigError(f"{source}: {key}: {exc}") from None
+        if config.data.path is not None and not Path(config.data.path).exists():
+            raise ConfigError(f"{source}: data.path: file {config.data.path!r} not found; fix the path")
+    return config
+
