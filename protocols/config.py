@@ -7,7 +7,7 @@ names the file, the dotted key, the bad value and what is expected.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -281,7 +281,7 @@ def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
         allowed = ", ".join(parent.model_fields) if parent else "see `marsi schema`"
         return f"{key}: unknown key; allowed keys here: {allowed}"
     msg = error["msg"].removeprefix("Value error, ")
-    if not loc:
+    if not loc or msg.startswith(f"{key}: "):
         return msg
     if error["type"] == "missing":
         return f"{key}: missing; this key is required (see `marsi schema`)"
@@ -291,14 +291,17 @@ def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
 def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     """The pydantic model class that sits at `loc` inside `model`, if any."""
     current: Any = model
+    dict_key = False
     for part in loc:
-        if isinstance(part, int) or current is None:
+        if isinstance(part, int) or current is None or dict_key:
+            dict_key = False
             continue
         if isinstance(current, type) and issubclass(current, BaseModel):
             field = current.model_fields.get(part)
             current = field.annotation if field else None
         else:
             current = None
+        dict_key = get_origin(current) is dict
         if current is not None and hasattr(current, "__args__"):  # dict[str, Model], list[...], Optional
             current = next((a for a in current.__args__ if isinstance(a, type) and issubclass(a, BaseModel)), current)
         if hasattr(current, "__args__"):

@@ -1,0 +1,114 @@
+"""The loss maths against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from agent_trainer import losses
+
+
+def test_masked_mean_ignores_masked_values():
+    values = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert losses.masked_mean(values, mask).item() == pytest.approx(2.0)  # (1 + 2 + 3) / 3
+    assert losses.masked_mean(values, mask, dim=1).tolist() == pytest.approx([1.5, 3.0])
+
+
+def test_completion_mask_keeps_first_eos_and_drops_padding_after_it():
+    eos, pad = 9, 0
+    ids = torch.tensor([
+        [5, 6, eos, pad, pad],   # stopped: EOS counts, padding after it does not
+        [5, eos, eos, pad, pad],  # only the first EOS counts
+        [5, 6, 7, 8, 4],          # hit the length limit: every token counts
+        [eos, pad, pad, pad, pad],  # empty answer: the EOS alone
+    ])
+    assert losses.completion_mask_from_ids(ids, eos).tolist() == [
+        [1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0],
+    ]
+
+
+def test_group_relative_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0])
+    groups = torch.tensor([7, 7, 3, 3, 5])
+    centred = losses.group_relative_advantages(rewards, groups, scale=False)
+    assert centred.tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0, 0.0])
+    scaled = losses.group_relative_advantages(rewards, groups, scale=True, eps=0.0 + 1e-4)
+    # group 7: mean 0.5, population std 0.5 -> +-1; zero-std groups and singletons give 0
+    assert scaled.tolist() == pytest.approx([0.5 / 0.5001, -0.5 / 0.5001, 0.0, 0.0, 0.0], rel=1e-6)
+
+
+def test_discounted_returns_by_hand():
+    assert losses.discounted_returns([0.0, 0.0, 1.0], 0.5) == pytest.approx([0.25, 0.5, 1.0])
+    assert losses.discounted_returns([1.0, 2.0], 1.0) == pytest.approx([3.0, 2.0])
+
+
+def test_ema_baseline_by_hand():
+    adv, b = losses.ema_update(None, [1.0, 0.0], decay=0.5)
+    assert adv == pytest.approx([0.0, -1.0])  # baseline starts at the first return
+    assert b == pytest.approx(0.5 * (0.5 * 1.0 + 0.5 * 1.0) + 0.5 * 0.0)
+    adv, b2 = losses.ema_update(b, [1.0], decay=0.5)
+    assert adv == pytest.approx([1.0 - b]) and b2 == pytest.approx(0.5 * b + 0.5)
+
+
+def test_selective_log_softmax_matches_full_log_softmax():
+    logits = torch.randn(2, 3, 7)
+    index = torch.randint(0, 7, (2, 3))
+    full = torch.log_softmax(logits, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(losses.selective_log_softmax(logits, index), full, atol=1e-6)
+
+
+def test_entropy_of_uniform_and_certain():
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]])
+    assert losses.entropy_from_logits(logits)[0].tolist() == pytest.approx([math.log(4), 0.0], abs=1e-6)
+
+
+def test_kl_k3_by_hand():
+    logp = torch.tensor([[math.log(0.5), math.log(0.25)]])
+    ref = torch.tensor([[math.log(0.25), math.log(0.25)]])
+    # k3 = r - log r - 1 with r = p_ref / p: r=0.5 -> 0.5 + log 2 - 1; r=1 -> 0
+    assert losses.kl_k3(logp, ref)[0].tolist() == pytest.approx([0.5 + math.log(2) - 1.0, 0.0], abs=1e-6)
+
+
+def test_clipped_policy_loss_by_hand():
+    old = torch.zeros(2, 2)
+    new = torch.log(torch.tensor([[1.5, 0.5], [1.5, 0.5]]))
+    adv = torch.tensor([1.0, -1.0])
+    loss, clipped = losses.clipped_policy_loss(new, old, adv, epsilon=0.2)
+    # A>0: min(1.5, 1.2) = 1.2 (clipped), min(0.5, 0.8) = 0.5; A<0: min(-1.5, -1.2) = -1.5, min(-0.5, -0.8) = -0.8 (clipped)
+    assert loss.flatten().tolist() == pytest.approx([-1.2, -0.5, 1.5, 0.8])
+    assert clipped.tolist() == [[True, False], [False, True]]
+
+
+def test_ratio_one_gives_reinforce_gradient():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, _ = losses.clipped_policy_loss(logp, logp.detach(), torch.tensor([2.0]), epsilon=0.2)
+    loss.sum().backward()
+    assert logp.grad.flatten().tolist() == pytest.approx([-2.0, -2.0])
+
+
+def test_aggregate_loss_token_and_sequence():
+    per_token = torch.tensor([[1.0, 1.0, 7.0], [4.0, 7.0, 7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])  # the 7s are padding after EOS
+    assert losses.aggregate_loss(per_token, mask, "token", 3, 2).item() == pytest.approx(6.0 / 3)
+    assert losses.aggregate_loss(per_token, mask, "sequence", 3, 2).item() == pytest.approx((1.0 + 4.0) / 2)
+
+
+def test_token_loss_over_micro_batches_equals_one_batch():
+    per_token = torch.rand(4, 5)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    total = float(mask.sum())
+    whole = losses.aggregate_loss(per_token, mask, "token", total, 4)
+    parts = sum(losses.aggregate_loss(per_token[i:i + 2], mask[i:i + 2], "token", total, 4) for i in (0, 2))
+    assert parts.item() == pytest.approx(whole.item())
+
+
+def test_padding_after_eos_gets_no_gradient_and_last_token_does():
+    eos = 9
+    completion_ids = torch.tensor([[4, eos, 0, 0]])
+    mask = losses.completion_mask_from_ids(completion_ids, eos)
+    logp = torch.zeros(1, 4, requires_grad=True)
+    per_token, _ = losses.clipped_policy_loss(logp, logp.detach(), torch.tensor([1.0]), 0.2)
+    losses.aggregate_loss(per_token, mask, "token", float(mask.sum()), 1).backward()
+    assert logp.grad[0, :2].abs().min() > 0  # the EOS, the last real token, is trained on
+    assert logp.grad[0, 2:].abs().max() == 0  # padding after it is not
