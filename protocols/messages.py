@@ -55,6 +55,11 @@ class Experience(_Message):
     old_per_token_logps: list[float] | None = None
     """Log-probs at sampling time; used for the importance ratio when num_iterations > 1."""
 
+    @classmethod
+    def from_completion(cls, completion: Completion, advantage: float) -> Experience:
+        return cls(prompt_ids=completion.prompt_ids, completion_ids=completion.completion_ids,
+                   advantage=advantage, old_per_token_logps=completion.per_token_logps)
+
 
 class UpdateRequest(_Message):
     experiences: list[Experience]

@@ -1,0 +1,94 @@
+"""The Ray wrapper: one actor per agent, placed by a placement group, each on its own GPU or CPU share."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from protocols.config import RayConfig, RunConfig
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the trainers; the message lists what was asked and what is free."""
+
+
+def init_ray(config: RayConfig) -> bool:
+    """Join `config.address` or RAY_ADDRESS when set, else start a local cluster; False if Ray was already up."""
+    if ray.is_initialized():
+        return False
+    address = config.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False, log_to_driver=True)
+    return True
+
+
+class _TrainerActor:
+    """Holds one AgentTrainer; Ray pins it to its bundle, and CUDA_VISIBLE_DEVICES to its GPU."""
+
+    def __init__(self, name, agent, algorithm, seed, total_updates, threads):
+        import torch
+
+        from agent_trainer.trainer import AgentTrainer
+
+        torch.set_num_threads(threads)
+        self.trainer = AgentTrainer(name, agent, algorithm, seed=seed, total_updates=total_updates)
+
+    def call(self, method: str, kwargs: dict[str, Any]):
+        return getattr(self.trainer, method)(**kwargs)
+
+    def info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "device": str(self.trainer.device), "node": ray.get_runtime_context().get_node_id(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+
+class RayTrainers:
+    """One Ray actor per agent; `call` fans out to all named agents, then gathers once."""
+
+    def __init__(self, config: RunConfig, updates: dict[str, int]):
+        from agent_trainer.group import num_threads
+
+        names = list(config.agents)
+        bundles = [{"CPU": a.resources.num_cpus, **({"GPU": a.resources.num_gpus} if a.resources.num_gpus else {})}
+                   for a in config.agents.values()]
+        self.pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=config.ray.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            asked = ", ".join(f"{n}: {b}" for n, b in zip(names, bundles))
+            free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")}
+            raise PlacementError(
+                f"trainers could not be placed within {config.ray.placement_timeout_s:.0f}s; asked for {asked}; "
+                f"cluster has free {free}; lower agents.<name>.resources or add nodes"
+            ) from None
+        actor_cls = ray.remote(_TrainerActor)
+        self.actors = {}
+        for i, (name, agent) in enumerate(config.agents.items()):
+            self.actors[name] = actor_cls.options(
+                num_cpus=agent.resources.num_cpus, num_gpus=agent.resources.num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                                     placement_group_bundle_index=i),
+            ).remote(name, agent, config.algorithm, config.train.seed + i, updates[name],
+                     num_threads(agent.resources.num_cpus))
+
+    def call(self, method: str, kwargs_by_agent: dict[str, dict[str, Any]], timeout: float | None = None) -> dict:
+        names = list(kwargs_by_agent)
+        refs = [self.actors[n].call.remote(method, kwargs_by_agent[n]) for n in names]
+        return dict(zip(names, ray.get(refs, timeout=timeout)))
+
+    def info(self) -> dict[str, dict[str, Any]]:
+        names = list(self.actors)
+        return dict(zip(names, ray.get([self.actors[n].info.remote() for n in names])))
+
+    def close(self) -> None:
+        for actor in self.actors.values():
+            ray.kill(actor)
+        self.actors.clear()
+        remove_placement_group(self.pg)

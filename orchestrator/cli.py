@@ -1,0 +1,120 @@
+"""`marsi run | resume | validate | schema | plot`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from protocols.config import ConfigError, RunConfig, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="marsi", description="Train several LLM agents together with RL.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="train from a config")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=5")
+    p.add_argument("--run-dir", help="run directory (default: train.run_dir)")
+    p = sub.add_parser("resume", help="continue a run from its newest checkpoint")
+    p.add_argument("run_dir")
+    p = sub.add_parser("validate", help="check a config; print the schedule and role assignment of the first steps")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--steps", type=int, default=6)
+    sub.add_parser("schema", help="print the config's JSON schema")
+    p = sub.add_parser("plot", help="write PNG curves of a run")
+    p.add_argument("run_dir")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("marsi: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"marsi: error: {_one_line(exc)}", file=sys.stderr)
+        return 2 if isinstance(exc, (ConfigError, FileNotFoundError, ImportError)) else 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def cmd_run(args) -> int:
+    from orchestrator.coordinator import Coordinator
+    from orchestrator.runlog import make_run_dir
+
+    config = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else make_run_dir(config.train.run_dir, Path(args.config).stem)
+    return _train(Coordinator(config, run_dir), started=False)
+
+
+def cmd_resume(args) -> int:
+    from orchestrator.coordinator import Coordinator
+
+    coord = Coordinator.resume(args.run_dir)
+    print(f"marsi: resuming {args.run_dir} at step {coord.state.step}", file=sys.stderr)
+    return _train(coord, started=True)
+
+
+def _train(coord, started: bool) -> int:
+    start = time.perf_counter()
+    try:
+        if not started:
+            coord.start()
+        coord.run()
+    finally:
+        coord.close()
+    rows = coord.log.metrics()
+    k = max(1, len(rows) // 10)
+    first = sum(r["reward/mean"] for r in rows[:k]) / k
+    last = sum(r["reward/mean"] for r in rows[-k:]) / k
+    print(f"reward/mean: first {k} step(s) {first:.3f} -> last {k} step(s) {last:.3f}; "
+          f"{len(rows)} steps, {time.perf_counter() - start:.0f} s here; run dir {coord.log.dir}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from orchestrator.schedule import RoleAssignment, Schedule
+    from protocols.imports import import_object
+
+    config = load_config(args.config, args.overrides)
+    schedule, assignment = Schedule(config.schedule, list(config.agents)), RoleAssignment(config.roles)
+    env = import_object(config.environment.name)(**config.environment.kwargs)
+    per_step = config.train.batch_size * config.train.num_generations
+    turns = min(env.max_turns, 4)
+    print(f"{args.config}: valid. agents: {', '.join(config.agents)}; roles: {', '.join(env.possible_agents)}; "
+          f"{per_step} episodes per step, at most {env.max_turns} turns each")
+    for step in range(min(args.steps, config.train.steps)):
+        trains = ", ".join(schedule.training_agents(step)) or "(none)"
+        print(f"step {step}: trains {trains}")
+        for episode in sorted({step * per_step, step * per_step + 1} & set(range(step * per_step, (step + 1) * per_step))):
+            seats = " | ".join(" ".join(f"{r}={a}" for r, a in assignment(episode, t).items()) for t in range(turns))
+            print(f"  episode {episode} turns 0..{turns - 1}: {seats}")
+    return 0
+
+
+def cmd_schema(args) -> int:
+    print(json.dumps(RunConfig.model_json_schema(), indent=2))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from orchestrator.runlog import plot
+
+    for path in plot(args.run_dir):
+        print(path)
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "resume": cmd_resume, "validate": cmd_validate, "schema": cmd_schema, "plot": cmd_plot}
+
+if __name__ == "__main__":
+    sys.exit(main())

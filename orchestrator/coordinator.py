@@ -1,0 +1,219 @@
+"""Coordinator: starts one trainer per agent, plays episodes, scores them, and trains on the schedule.
+
+Its primitives (`generate`, `train`, `checkpoint`, `restore`) serve custom coordinator scripts;
+`run()` is the standard loop built from them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator import rollout
+from orchestrator.advantages import experiences_by_agent
+from orchestrator.data import DataPosition, load_samples, next_batch
+from orchestrator.runlog import RunLog
+from orchestrator.schedule import RoleAssignment, Schedule
+from protocols.config import RunConfig, validate_config
+from protocols.imports import import_object
+from protocols.messages import Completion, Experience, GenerateRequest, Prompt, UpdateRequest, UpdateResult
+
+
+@dataclass
+class CoordinatorState:
+    """Everything of the coordinator's that the next step depends on (the trainers hold the rest)."""
+
+    step: int = 0
+    """Steps completed."""
+    episodes: int = 0
+    """Episodes played: the next episode's index, which per-episode role rotation follows."""
+    data: DataPosition = field(default_factory=DataPosition)
+    baselines: dict[str, float] = field(default_factory=dict)
+    """EMA return baseline per role (algorithm.baseline == "ema")."""
+
+
+class Coordinator:
+    """`with Coordinator(config, run_dir) as coord: coord.run()`."""
+
+    def __init__(self, config: RunConfig, run_dir: str | Path | None = None):
+        self.config = config
+        self.schedule = Schedule(config.schedule, list(config.agents))
+        self.assignment = RoleAssignment(config.roles)
+        self.env_cls = import_object(config.environment.name)
+        self.samples = load_samples(config.data)
+        self.state = CoordinatorState()
+        self.log = RunLog(run_dir, config.logging) if run_dir is not None else None
+        self.trainers = None
+        self._owns_ray = False
+        self._seconds = defaultdict(float)
+
+    # ------------------------------------------------------------------------------ start / stop
+    def __enter__(self) -> Coordinator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        updates = {a: self.schedule.updates(a, self.config.train.steps) for a in self.config.agents}
+        if self.config.ray.enabled:
+            from agent_trainer.actor import RayTrainers, init_ray
+
+            self._owns_ray = init_ray(self.config.ray)
+            self.trainers = RayTrainers(self.config, updates)
+        else:
+            from agent_trainer.group import LocalTrainers
+
+            self.trainers = LocalTrainers(self.config, updates)
+        if self.log is not None:
+            self.log.write_config(self.config)
+
+    def close(self) -> None:
+        if self.trainers is not None:
+            self.trainers.close()
+            self.trainers = None
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
+            self._owns_ray = False
+
+    @classmethod
+    def resume(cls, run_dir: str | Path) -> Coordinator:
+        """A started coordinator for `run_dir`, restored from its newest complete checkpoint."""
+        config_path = Path(run_dir) / "config.yaml"
+        import yaml
+
+        config = validate_config(yaml.safe_load(config_path.read_text()), source=config_path)
+        coord = cls(config, run_dir)
+        coord.start()
+        coord.restore()
+        return coord
+
+    # -------------------------------------------------------------------------------- primitives
+    def generate(self, prompts: dict[str, list[Prompt]], seed: int) -> dict[str, list[Completion]]:
+        """Completions for each agent's prompts: one request per agent, all agents at once."""
+        start = time.perf_counter()
+        requests = {a: {"request": GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a))}
+                    for a, p in prompts.items() if p}
+        results = self.trainers.call("generate", requests)
+        self._seconds["generate"] += time.perf_counter() - start
+        return {a: r.completions for a, r in results.items()}
+
+    def train(self, experiences: dict[str, list[Experience]]) -> dict[str, UpdateResult]:
+        """Update each named agent on its experiences now, all agents at once."""
+        start = time.perf_counter()
+        requests = {a: {"request": UpdateRequest(experiences=e)} for a, e in experiences.items() if e}
+        results = self.trainers.call("update", requests)
+        self._seconds["update"] += time.perf_counter() - start
+        return results
+
+    def play(self, samples: list[dict[str, Any]]) -> list[rollout.Episode]:
+        """`num_generations` episodes per sample, with the configured role assignment."""
+        kwargs = self.config.environment.kwargs
+        episodes = rollout.play(lambda: self.env_cls(**kwargs), samples, self.config.train.num_generations,
+                                self.assignment, self.generate, seed=self.config.train.seed,
+                                first_episode=self.state.episodes)
+        self.state.episodes += len(episodes)
+        return episodes
+
+    def checkpoint(self) -> Path:
+        """Save every trainer and the coordinator state under checkpoints/step-N, atomically."""
+        staging = self.log.staging_path(self.state.step)
+        self.trainers.call("save", {a: {"path": str(staging / "agents" / a)} for a in self.config.agents})
+        state = {**asdict(self.state), "schedule_phase": self.schedule.phase(self.state.step)}
+        return self.log.commit_checkpoint(staging, self.state.step, state, self.config.train.keep_checkpoints)
+
+    def restore(self, path: str | Path | None = None) -> Path:
+        """Load every trainer and the coordinator state from `path` (default: the newest checkpoint)."""
+        path = Path(path) if path is not None else self.log.latest_checkpoint()
+        if path is None:
+            raise FileNotFoundError(f"{self.log.dir}: no complete checkpoint to resume from")
+        self.trainers.call("load", {a: {"path": str(path / "agents" / a)} for a in self.config.agents})
+        raw = json.loads((path / "coordinator.json").read_text())
+        self.state = CoordinatorState(step=raw["step"], episodes=raw["episodes"], data=DataPosition(**raw["data"]),
+                                      baselines=raw["baselines"])
+        self.log.truncate_after(self.state.step)
+        return path
+
+    def parameters_digests(self) -> dict[str, str]:
+        return self.trainers.call("parameters_digest", {a: {} for a in self.config.agents})
+
+    # -------------------------------------------------------------------------------------- run
+    def run(self, progress: bool | None = None) -> list[dict[str, Any]]:
+        """Train until `train.steps`; returns the metrics of the steps run here."""
+        cfg = self.config.train
+        bar = _progress(self.state.step, cfg.steps, cfg.progress if progress is None else progress)
+        history = []
+        while self.state.step < cfg.steps:
+            self._seconds.clear()
+            start = time.perf_counter()
+            # rollout
+            samples = next_batch(self.samples, cfg.batch_size, self.state.data, cfg.seed, self.config.data.shuffle)
+            episodes = self.play(samples)
+            # advantages
+            experiences = experiences_by_agent(episodes, self.config.algorithm, self.state.baselines)
+            # update: the scheduled agents only; the others' experiences are dropped (on-policy)
+            training = [a for a in self.schedule.training_agents(self.state.step) if a in experiences]
+            results = self.train({a: experiences[a] for a in training})
+            self.state.step += 1
+            # log
+            metrics = step_metrics(self.state.step, episodes, results, self._seconds, time.perf_counter() - start)
+            history.append(metrics)
+            if self.log is not None:
+                self.log.log_metrics(metrics)
+                self.log.log_transcripts(self.state.step, [e.transcript() for e in episodes[:cfg.transcripts_per_step]])
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", training=",".join(training) or "-")
+            # checkpoint
+            every = cfg.checkpoint_every
+            if self.log is not None and ((every and self.state.step % every == 0) or self.state.step == cfg.steps):
+                self.checkpoint()
+        bar.close()
+        return history
+
+
+def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, UpdateResult],
+                 seconds: dict[str, float], step_seconds: float) -> dict[str, Any]:
+    totals = [e.total_reward() for e in episodes]
+    shared = [statistics.fmean(t.values()) if isinstance(t, dict) else t for t in totals]
+    metrics: dict[str, Any] = {
+        "step": step, "trained": sorted(results),
+        "reward/mean": statistics.fmean(shared), "reward/std": statistics.pstdev(shared),
+    }
+    for role in sorted({r for t in totals if isinstance(t, dict) for r in t}):
+        metrics[f"reward/{role}"] = statistics.fmean(t[role] for t in totals)
+    lengths, invalid, actions = defaultdict(list), 0, 0
+    for e in episodes:
+        for turn in e.turns:
+            for a in turn.actions:
+                lengths[a.agent].append(len(a.completion.completion_ids))
+                actions += 1
+                invalid += bool(turn.infos.get(a.role, {}).get("invalid"))
+    for agent, values in sorted(lengths.items()):
+        metrics[f"completion_length/{agent}"] = statistics.fmean(values)
+    metrics["turns/mean"] = statistics.fmean(len(e.turns) for e in episodes)
+    metrics["invalid_rate"] = invalid / max(1, actions)
+    for key in sorted({k for e in episodes for k in e.info}):
+        values = [float(e.info[key]) for e in episodes if key in e.info]
+        metrics[f"episode/{key}"] = statistics.fmean(values)
+    for agent, r in sorted(results.items()):
+        for name in ("loss", "kl", "grad_norm", "entropy", "clip_fraction", "lr"):
+            metrics[f"{name}/{agent}"] = getattr(r, name)
+        metrics[f"tokens/{agent}"] = r.num_tokens
+    generate_s, update_s = seconds.get("generate", 0.0), seconds.get("update", 0.0)
+    metrics.update({"time/step": step_seconds, "time/generate": generate_s, "time/update": update_s,
+                    "time/coordinator": step_seconds - generate_s - update_s})
+    return metrics
+
+
+def _progress(done: int, total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, disable=not enabled, unit="step", dynamic_ncols=True)

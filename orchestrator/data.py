@@ -1,0 +1,52 @@
+"""The task samples: a `datasets.Dataset` from a file, a factory or the hub, drawn in seeded epochs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from protocols.config import DataConfig
+from protocols.imports import import_object
+
+_FILE_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_samples(config: DataConfig) -> list[dict[str, Any]]:
+    import datasets
+
+    if config.path is not None:
+        kind = _FILE_KINDS.get(Path(config.path).suffix)
+        if kind is None:
+            raise ValueError(f"data.path: {config.path!r} must end in one of {', '.join(_FILE_KINDS)}")
+        dataset = datasets.load_dataset(kind, data_files=config.path, split="train")
+    elif config.factory is not None:
+        dataset = import_object(config.factory)(**config.kwargs)
+    else:
+        dataset = datasets.load_dataset(config.hub, split=config.split, **config.kwargs)
+    rows = dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
+    if not rows:
+        raise ValueError("data: the dataset is empty; give it at least one sample")
+    return rows
+
+
+@dataclass
+class DataPosition:
+    epoch: int = 0
+    index: int = 0
+
+
+def next_batch(rows: list[dict[str, Any]], size: int, position: DataPosition, seed: int,
+               shuffle: bool) -> list[dict[str, Any]]:
+    """`size` samples from a seeded per-epoch order, advancing `position` (in place) across epochs."""
+    batch = []
+    while len(batch) < size:
+        order = np.random.default_rng([seed, position.epoch]).permutation(len(rows)) if shuffle else range(len(rows))
+        take = min(size - len(batch), len(rows) - position.index)
+        batch += [rows[int(i)] for i in order[position.index:position.index + take]]
+        position.index += take
+        if position.index == len(rows):
+            position.epoch, position.index = position.epoch + 1, 0
+    return batch

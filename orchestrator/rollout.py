@@ -1,0 +1,138 @@
+"""Play groups of episodes turn by turn, batching each turn's prompts per agent across all live episodes."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from protocols.env import Environment
+from protocols.messages import Completion, Prompt
+
+
+class EnvironmentError_(RuntimeError):
+    """An environment raised or broke its contract; the message names the episode and turn."""
+
+
+@dataclass
+class Action:
+    role: str
+    agent: str
+    prompt: Prompt
+    completion: Completion
+
+
+@dataclass
+class Turn:
+    actions: list[Action]
+    reward: float | dict[str, float]
+    infos: dict[str, dict[str, Any]]
+
+
+@dataclass
+class Episode:
+    index: int
+    """Episode number within the run (rotation per episode counts these)."""
+    sample_index: int
+    """Position of its sample in this step's batch: the group id."""
+    env: Environment
+    turns: list[Turn] = field(default_factory=list)
+    prompts: dict[str, Prompt] = field(default_factory=dict)
+    """Prompts of the roles acting next; empty once the episode ended."""
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+    def role_rewards(self, role: str) -> list[float]:
+        """Per-turn reward seen by `role`: the shared reward, or its own in per-role games."""
+        return [t.reward.get(role, 0.0) if isinstance(t.reward, dict) else t.reward for t in self.turns]
+
+    def total_reward(self) -> float | dict[str, float]:
+        if any(isinstance(t.reward, dict) for t in self.turns):
+            return {r: sum(self.role_rewards(r)) for r in self.env.possible_agents}
+        return sum(t.reward for t in self.turns)
+
+    def transcript(self) -> dict[str, Any]:
+        return {
+            "episode": self.index, "sample": self.sample_index, "terminated": self.terminated,
+            "truncated": self.truncated, "reward": self.total_reward(), "info": self.info,
+            "turns": [{"reward": t.reward, "infos": t.infos,
+                       "actions": [{"role": a.role, "agent": a.agent, "prompt": a.prompt, "completion": a.completion.text,
+                                    "finish_reason": a.completion.finish_reason} for a in t.actions]}
+                      for t in self.turns],
+        }
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any parts (the same on every process and run)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+GenerateFn = Callable[[dict[str, list[Prompt]], int], dict[str, list[Completion]]]
+
+
+def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num_generations: int,
+         assignment: Callable[[int, int], dict[str, str]], generate: GenerateFn, *, seed: int,
+         first_episode: int) -> list[Episode]:
+    """Play `num_generations` episodes per sample until all end; one batched generate per turn for all agents."""
+    episodes = []
+    for s, sample in enumerate(samples):
+        for g in range(num_generations):
+            index = first_episode + s * num_generations + g
+            episode = Episode(index=index, sample_index=s, env=make_env())
+            episode.prompts = _guard(episode, 0, "reset", lambda: episode.env.reset(dict(sample),
+                                                                                     seed=derive_seed(seed, index)))
+            episodes.append(episode)
+    turn = 0
+    while live := [e for e in episodes if not e.done]:
+        # every live episode's prompts, gathered per agent
+        wanted: dict[str, list[tuple[Episode, str, Prompt]]] = {}
+        for episode in live:
+            seats = assignment(episode.index, turn)
+            for role, prompt in episode.prompts.items():
+                wanted.setdefault(seats[role], []).append((episode, role, prompt))
+        completions = generate({agent: [p for _, _, p in items] for agent, items in wanted.items()},
+                               derive_seed(seed, first_episode, turn))
+        # answers go back to their episodes
+        actions: dict[int, list[Action]] = {}
+        for agent, items in wanted.items():
+            for (episode, role, prompt), completion in zip(items, completions[agent]):
+                actions.setdefault(episode.index, []).append(Action(role, agent, prompt, completion))
+        for episode in live:
+            mine = actions[episode.index]
+            result = _guard(episode, turn, "step", lambda: episode.env.step({a.role: a.completion.text for a in mine}))
+            _check_reward(episode, turn, result.reward)
+            episode.turns.append(Turn(mine, result.reward, result.infos))
+            episode.prompts = result.prompts
+            episode.terminated, episode.truncated = result.terminated, result.truncated
+            if not episode.done and not result.prompts:
+                raise EnvironmentError_(f"episode {episode.index} turn {turn}: step returned no prompts but did not "
+                                        "end the episode; set terminated or truncated")
+            if not episode.done and turn + 1 >= episode.env.max_turns:
+                episode.truncated, episode.prompts = True, {}
+            if episode.done:
+                episode.info = _guard(episode, turn, "episode_info", episode.env.episode_info)
+        turn += 1
+    return episodes
+
+
+def _guard(episode: Episode, turn: int, what: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:
+        raise EnvironmentError_(f"episode {episode.index} turn {turn}: {type(episode.env).__name__}.{what} raised "
+                                f"{type(exc).__name__}: {exc}; fix the environment (check it with check_env)") from exc
+
+
+def _check_reward(episode: Episode, turn: int, reward: Any) -> None:
+    values = reward.values() if isinstance(reward, dict) else [reward]
+    for value in values:
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise EnvironmentError_(f"episode {episode.index} turn {turn}: reward {reward!r} is not finite; "
+                                    "the environment must return finite rewards")

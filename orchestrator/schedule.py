@@ -1,0 +1,65 @@
+"""Which agents train at step k, and which agent plays each role on a given episode and turn.
+
+Both are pure functions of the step / episode / turn index, so a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+from protocols.config import RolesConfig, ScheduleConfig
+
+
+class Schedule:
+    """`simultaneous`: every trainable agent, every step. `alternate` / `round_robin`: the agents of
+    `order` take turns, `period` steps each. `pattern`: the listed agent sets, cycled one per step.
+    Agents in `frozen` never train."""
+
+    def __init__(self, config: ScheduleConfig, agents: list[str]):
+        self.config = config
+        self.trainable = [a for a in agents if a not in config.frozen]
+        self.order = config.order or self.trainable
+
+    def training_agents(self, step: int) -> list[str]:
+        kind = self.config.kind
+        if kind == "simultaneous":
+            return list(self.trainable)
+        if kind in ("alternate", "round_robin"):
+            if not self.order:
+                return []
+            return [self.order[(step // self.config.period) % len(self.order)]]
+        pattern = self.config.pattern
+        return [a for a in pattern[step % len(pattern)] if a in self.trainable]
+
+    def phase(self, step: int) -> dict:
+        """Where the schedule stands at `step` (recorded in checkpoints)."""
+        if self.config.kind in ("alternate", "round_robin") and self.order:
+            turn = step // self.config.period
+            return {"index": turn % len(self.order), "steps_into_turn": step % self.config.period}
+        if self.config.kind == "pattern":
+            return {"index": step % len(self.config.pattern)}
+        return {"index": 0}
+
+    def updates(self, agent: str, steps: int) -> int:
+        """Updates `agent` makes in the first `steps` steps."""
+        return sum(agent in self.training_agents(k) for k in range(steps))
+
+
+class RoleAssignment:
+    """Role -> agent per (episode, turn): the cycle is `roles.cycle`, or the rotations of
+    `roles.assignment` (rotation k gives role i the agent of role i + k); `rotation` picks the index."""
+
+    def __init__(self, config: RolesConfig):
+        self.config = config
+        if config.cycle:
+            self.cycle = [dict(a) for a in config.cycle]
+        elif config.rotation == "none":
+            self.cycle = [dict(config.assignment)]
+        else:
+            roles = list(config.assignment)
+            agents = [config.assignment[r] for r in roles]
+            n = len(roles)
+            self.cycle = [{roles[i]: agents[(i + k) % n] for i in range(n)} for k in range(n)]
+
+    def __call__(self, episode: int, turn: int) -> dict[str, str]:
+        rotation = self.config.rotation
+        index = episode if rotation == "per_episode" else turn if rotation == "per_turn" else 0
+        return self.cycle[index % len(self.cycle)]
