@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import ray
@@ -22,9 +23,10 @@ def init_ray(config: RayConfig) -> bool:
         return False
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, logging_level="WARNING")
+        print(f"marsi: joined the Ray cluster at {address}", file=sys.stderr)
     else:
-        ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False, log_to_driver=True)
+        ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False, logging_level="WARNING")
     return True
 
 

@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", help="run directory (default: train.run_dir)")
     p = sub.add_parser("resume", help="continue a run from its newest checkpoint")
     p.add_argument("run_dir")
+    p.add_argument("overrides", nargs="*", help="change the stored config, e.g. train.steps=400 to extend the run")
     p = sub.add_parser("validate", help="check a config; print the schedule and role assignment of the first steps")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
@@ -59,7 +60,7 @@ def cmd_run(args) -> int:
 def cmd_resume(args) -> int:
     from orchestrator.coordinator import Coordinator
 
-    coord = Coordinator.resume(args.run_dir)
+    coord = Coordinator.resume(args.run_dir, args.overrides)
     print(f"marsi: resuming {args.run_dir} at step {coord.state.step}", file=sys.stderr)
     return _train(coord, started=True)
 

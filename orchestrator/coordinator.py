@@ -19,7 +19,7 @@ from orchestrator.advantages import experiences_by_agent
 from orchestrator.data import DataPosition, load_samples, next_batch
 from orchestrator.runlog import RunLog
 from orchestrator.schedule import RoleAssignment, Schedule
-from protocols.config import RunConfig, validate_config
+from protocols.config import RunConfig, load_config
 from protocols.imports import import_object
 from protocols.messages import Completion, Experience, GenerateRequest, Prompt, UpdateRequest, UpdateResult
 
@@ -85,12 +85,10 @@ class Coordinator:
             self._owns_ray = False
 
     @classmethod
-    def resume(cls, run_dir: str | Path) -> Coordinator:
-        """A started coordinator for `run_dir`, restored from its newest complete checkpoint."""
-        config_path = Path(run_dir) / "config.yaml"
-        import yaml
-
-        config = validate_config(yaml.safe_load(config_path.read_text()), source=config_path)
+    def resume(cls, run_dir: str | Path, overrides: list[str] | None = None) -> Coordinator:
+        """A started coordinator for `run_dir`, restored from its newest complete checkpoint.
+        `overrides` (dotted.key=value) change the stored config, e.g. `train.steps=200` to extend a run."""
+        config = load_config(Path(run_dir) / "config.yaml", overrides)
         coord = cls(config, run_dir)
         coord.start()
         coord.restore()
@@ -123,8 +121,11 @@ class Coordinator:
         self.state.episodes += len(episodes)
         return episodes
 
-    def checkpoint(self) -> Path:
-        """Save every trainer and the coordinator state under checkpoints/step-N, atomically."""
+    def checkpoint(self, step: int | None = None) -> Path:
+        """Save every trainer and the coordinator state under checkpoints/step-N, atomically.
+        Custom loops pass the `step` they reached; `run()` keeps its own count."""
+        if step is not None:
+            self.state.step = step
         staging = self.log.staging_path(self.state.step)
         self.trainers.call("save", {a: {"path": str(staging / "agents" / a)} for a in self.config.agents})
         state = {**asdict(self.state), "schedule_phase": self.schedule.phase(self.state.step)}
@@ -146,12 +147,13 @@ class Coordinator:
         return self.trainers.call("parameters_digest", {a: {} for a in self.config.agents})
 
     # -------------------------------------------------------------------------------------- run
-    def run(self, progress: bool | None = None) -> list[dict[str, Any]]:
-        """Train until `train.steps`; returns the metrics of the steps run here."""
+    def run(self, until: int | None = None) -> list[dict[str, Any]]:
+        """Train until `until` steps are done (default `train.steps`); returns the metrics of the steps run here."""
         cfg = self.config.train
-        bar = _progress(self.state.step, cfg.steps, cfg.progress if progress is None else progress)
+        until = cfg.steps if until is None else min(until, cfg.steps)
+        bar = _progress(self.state.step, until, cfg.progress)
         history = []
-        while self.state.step < cfg.steps:
+        while self.state.step < until:
             self._seconds.clear()
             start = time.perf_counter()
             # rollout

@@ -100,12 +100,12 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
         completions = generate({agent: [p for _, _, p in items] for agent, items in wanted.items()},
                                derive_seed(seed, first_episode, turn))
         # answers go back to their episodes
-        actions: dict[int, list[Action]] = {}
+        actions: dict[tuple[int, str], Action] = {}
         for agent, items in wanted.items():
             for (episode, role, prompt), completion in zip(items, completions[agent]):
-                actions.setdefault(episode.index, []).append(Action(role, agent, prompt, completion))
+                actions[episode.index, role] = Action(role, agent, prompt, completion)
         for episode in live:
-            mine = actions[episode.index]
+            mine = [actions[episode.index, role] for role in episode.prompts]
             result = _guard(episode, turn, "step", lambda: episode.env.step({a.role: a.completion.text for a in mine}))
             _check_reward(episode, turn, result.reward)
             episode.turns.append(Turn(mine, result.reward, result.infos))

@@ -1,0 +1,38 @@
+"""A coordinator script with its own turn logic, built only from marsi's public primitives.
+
+Alice hears a letter and says it; Bob hears only Alice and says what he heard. Both share the reward
+(half for each right letter), and they train in alternation: Alice on even steps, Bob on odd ones.
+
+    python examples/custom_coordinator.py [steps]
+"""
+
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from agent_trainer.losses import group_relative_advantages
+from orchestrator.coordinator import Coordinator
+from protocols.config import load_config
+from protocols.messages import Experience
+
+STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 60
+GROUP, SAMPLES = 8, 8
+config = load_config(Path(__file__).parent / "demo" / "config.yaml", ["train.progress=false"])
+rng = random.Random(0)
+
+with Coordinator(config, run_dir="runs/custom-coordinator") as coord:
+    for step in range(STEPS):
+        targets = [rng.choice("abcd") for _ in range(SAMPLES) for _ in range(GROUP)]
+        # turn 1: Alice speaks
+        said = coord.generate({"alice": [f"Say {t}" for t in targets]}, seed=2 * step)["alice"]
+        # turn 2: Bob relays what he heard
+        heard = coord.generate({"bob": [f"Say {c.text[:1]}" for c in said]}, seed=2 * step + 1)["bob"]
+        rewards = torch.tensor([0.5 * (a.text[:1] == t) + 0.5 * (b.text[:1] == t)
+                                for a, b, t in zip(said, heard, targets)])
+        advantages = group_relative_advantages(rewards, torch.arange(len(targets)) // GROUP).tolist()
+        agent, completions = ("alice", said) if step % 2 == 0 else ("bob", heard)
+        result = coord.train({agent: [Experience.from_completion(c, a) for c, a in zip(completions, advantages)]})
+        print(f"step {step:3d}  reward {rewards.mean():.3f}  trained {agent}  loss {result[agent].loss:+.4f}")
+    print("checkpoint:", coord.checkpoint(step=STEPS))

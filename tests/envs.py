@@ -1,0 +1,63 @@
+"""Small environments and data for coordinator tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+
+from protocols.env import Environment, StepResult
+
+
+HERE = Path(__file__).resolve().parent
+
+
+class LetterEnv(Environment):
+    """Every role is asked for the sample's letter on each of `turns` turns; shared reward: fraction right.
+    With `zero_sum`, the first role gets +1 / -1 when it alone is right / wrong, the others the opposite."""
+
+    def __init__(self, roles=("x",), turns=1, zero_sum=False):
+        self.possible_agents, self.max_turns, self.zero_sum = list(roles), turns, zero_sum
+
+    def reset(self, sample, seed=None):
+        self.target, self.turn, self.hits = sample["target"], 0, 0
+        return {r: f"Say {self.target}" for r in self.possible_agents}
+
+    def step(self, actions):
+        right = {r: text[:1] == self.target for r, text in actions.items()}
+        self.turn += 1
+        self.hits += sum(right.values())
+        infos = {r: {"invalid": True, "reason": "empty answer"} for r, text in actions.items() if not text}
+        if self.zero_sum:
+            first, *others = self.possible_agents
+            score = float(right[first]) - sum(right[o] for o in others) / len(others)
+            reward = {first: score, **{o: -score for o in others}}
+        else:
+            reward = sum(right.values()) / len(right)
+        done = self.turn >= self.max_turns
+        prompts = {} if done else {r: f"Say {self.target}" for r in self.possible_agents}
+        return StepResult(prompts=prompts, reward=reward, terminated=done, infos=infos)
+
+    def episode_info(self):
+        return {"hits": float(self.hits)}
+
+
+def letters(n: int = 8) -> datasets.Dataset:
+    return datasets.Dataset.from_list([{"target": "abcd"[i % 4]} for i in range(n)])
+
+
+def config(agents=("a", "b"), roles=None, *, turns=1, ray=False, **sections) -> dict:
+    """A run-config mapping on the tiny model; `sections` replace or extend whole sections."""
+    roles = roles or {f"r{i}": a for i, a in enumerate(agents)}
+    raw = {
+        "agents": {a: {"model": "builtin:tiny", "generation": {"max_completion_length": 2},
+                       "optimizer": {"lr": 1e-3}, "resources": {"num_cpus": 0.5}} for a in agents},
+        "environment": {"name": f"{HERE / 'envs.py'}:LetterEnv", "kwargs": {"roles": list(roles), "turns": turns}},
+        "roles": {"assignment": roles},
+        "data": {"factory": f"{HERE / 'envs.py'}:letters"},
+        "train": {"steps": 2, "batch_size": 2, "num_generations": 2, "progress": False},
+        "ray": {"enabled": ray},
+    }
+    for key, value in sections.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return raw

@@ -1,0 +1,141 @@
+"""`marsi` end to end, in subprocesses, with tiny settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.envs import config
+
+MARSI = [sys.executable, "-m", "orchestrator.cli"]
+
+
+def marsi(*args, env=None, timeout=300):
+    return subprocess.run([*MARSI, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def write(tmp_path, raw, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_times(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def test_run_writes_a_complete_run_directory_and_resume_continues_it(tmp_path):
+    cfg = write(tmp_path, config(ray=True, train={"steps": 2, "checkpoint_every": 1, "keep_checkpoints": 1}))
+    out = marsi("run", cfg, "--run-dir", tmp_path / "run")
+    assert out.returncode == 0, out.stderr
+    assert "reward/mean: first" in out.stdout
+    run = tmp_path / "run"
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward/mean", "reward/std", "loss/a", "kl/b", "grad_norm/a", "tokens/b", "time/generate",
+                "time/update", "time/coordinator", "time/step"):
+        assert key in rows[0], key
+    assert rows[0]["trained"] == ["a", "b"]
+    transcript = json.loads((run / "transcripts.jsonl").read_text().splitlines()[0])
+    assert transcript["turns"][0]["actions"][0]["prompt"].startswith("Say ")
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 2
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000002"]  # keep_checkpoints: 1
+    ckpt = run / "checkpoints" / "step-000002"
+    assert (ckpt / "agents" / "a" / "model" / "config.json").exists()
+    state = json.loads((ckpt / "coordinator.json").read_text())
+    assert state["step"] == 2 and state["data"] == {"epoch": 0, "index": 4} and "schedule_phase" in state
+
+    out = marsi("resume", run, "train.steps=3")
+    assert out.returncode == 0, out.stderr
+    assert "resuming" in out.stderr and [r["step"] for r in metrics(run)] == [1, 2, 3]
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path):
+    raw = config(train={"steps": 3, "checkpoint_every": 1})
+    assert marsi("run", write(tmp_path, raw), "--run-dir", tmp_path / "whole").returncode == 0
+    assert marsi("run", write(tmp_path, raw), "train.steps=1", "--run-dir", tmp_path / "cut").returncode == 0
+    out = marsi("resume", tmp_path / "cut", "train.steps=3")
+    assert out.returncode == 0, out.stderr
+    assert without_times(metrics(tmp_path / "cut")) == without_times(metrics(tmp_path / "whole"))
+
+
+def test_validate_prints_schedule_and_roles(tmp_path):
+    raw = config(schedule={"kind": "alternate"}, roles={"r0": "a", "r1": "b"})
+    raw["roles"]["rotation"] = "per_episode"
+    out = marsi("validate", write(tmp_path, raw), "--steps", "2")
+    assert out.returncode == 0, out.stderr
+    assert "step 0: trains a" in out.stdout and "step 1: trains b" in out.stdout
+    assert "episode 0 turns 0..0: r0=a r1=b" in out.stdout and "episode 1 turns 0..0: r0=b r1=a" in out.stdout
+
+
+def test_schema_is_json_schema():
+    out = marsi("schema")
+    schema = json.loads(out.stdout)
+    assert {"agents", "environment", "roles", "schedule"} <= set(schema["properties"])
+
+
+def test_plot_writes_pngs(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": s / 10, "loss/a": 1 - s / 10})
+                                               + "\n" for s in range(1, 5)))
+    out = marsi("plot", run)
+    assert out.returncode == 0, out.stderr
+    for name in ("reward.png", "loss.png"):
+        assert (run / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_config_gives_one_line_and_exit_2(tmp_path):
+    raw = config()
+    raw["train"]["stepz"] = 3
+    out = marsi("run", write(tmp_path, raw))
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "train.stepz: unknown key" in out.stderr and "Traceback" not in out.stderr
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_run_joins_a_separately_started_cluster(tmp_path):
+    port = _free_port()
+    ray_bin = Path(sys.executable).parent / "ray"
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    # Token auth is switched off on both sides: this is a loopback-only test cluster.
+    ray_env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    head = subprocess.Popen([str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+                             "--node-ip-address=127.0.0.1", "--include-dashboard=false", f"--temp-dir={temp_dir}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ray_env)
+    try:
+        address = f"127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while subprocess.run([str(ray_bin), "status", f"--address={address}"], capture_output=True,
+                             env=ray_env).returncode:
+            assert time.time() < deadline and head.poll() is None, "ray head did not come up"
+            time.sleep(1)
+        cfg = write(tmp_path, config(ray=True, train={"steps": 1}))
+        out = marsi("run", cfg, "--run-dir", tmp_path / "run", env={"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"})
+        assert out.returncode == 0, out.stderr
+        assert f"joined the Ray cluster at {address}" in out.stderr
+        assert len(metrics(tmp_path / "run")) == 1
+    finally:
+        head.terminate()
+        head.wait(timeout=90)
+        shutil.rmtree(temp_dir, ignore_errors=True)

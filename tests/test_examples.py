@@ -1,0 +1,76 @@
+"""Every example environment passes check_env; the demo config validates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from protocols.config import load_config
+from protocols.env_checker import EnvCheckError, check_env
+from protocols.env import Environment, StepResult
+from protocols.imports import import_object
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("config_path", sorted(EXAMPLES.glob("*/config.yaml")), ids=lambda p: p.parent.name)
+def test_example_environment_passes_check_env(config_path):
+    config = load_config(config_path)
+    env = import_object(config.environment.name)(**config.environment.kwargs)
+    samples = import_object(config.data.factory)(**config.data.kwargs).to_list() if config.data.factory else None
+    check_env(env, samples[:8], action_fn=lambda role, prompt, rng: rng.choice("abcd"))
+
+
+def test_relay_rewards_by_hand():
+    from tests.envs import HERE  # noqa: F401  (tests package importable)
+
+    env = import_object(f"{EXAMPLES / 'demo' / 'env.py'}:RelayEnv")()
+    assert env.reset({"target": "c"}) == {"speaker": "Say c"}
+    first = env.step({"speaker": "cat"})
+    assert first.reward == 0.5 and first.prompts == {"listener": "Say c"} and not first.terminated
+    last = env.step({"listener": "x"})
+    assert last.reward == 0.0 and last.terminated and env.episode_info() == {"speaker_correct": 1.0,
+                                                                            "listener_correct": 0.0}
+
+
+class _Raises(Environment):
+    possible_agents, max_turns = ["x"], 1
+
+    def reset(self, sample, seed=None):
+        return {"x": "hi"}
+
+    def step(self, actions):
+        if not actions["x"]:
+            raise ValueError("empty")
+        return StepResult(prompts={}, reward=0.0, terminated=True)
+
+
+class _NaN(_Raises):
+    def step(self, actions):
+        return StepResult(prompts={}, reward=float("nan"), terminated=True)
+
+
+class _Endless(_Raises):
+    def step(self, actions):
+        return StepResult(prompts={"x": "again"}, reward=0.0)
+
+
+@pytest.mark.parametrize("env, message", [
+    (_Raises(), "step raised ValueError"), (_NaN(), "not a finite number"), (_Endless(), "past max_turns"),
+])
+def test_check_env_catches_broken_environments(env, message):
+    with pytest.raises(EnvCheckError, match=message):
+        check_env(env, [{}])
+
+
+def test_custom_coordinator_script_runs(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(EXAMPLES / "custom_coordinator.py"), "2"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step")]
+    assert [line.split()[5] for line in lines] == ["alice", "bob"]
+    assert (tmp_path / "runs" / "custom-coordinator" / "checkpoints" / "step-000002" / "agents" / "bob").is_dir()
