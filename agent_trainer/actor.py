@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import ray
@@ -33,19 +34,24 @@ def init_ray(config: RayConfig) -> bool:
 class _TrainerActor:
     """Holds one AgentTrainer; Ray pins it to its bundle, and CUDA_VISIBLE_DEVICES to its GPU."""
 
-    def __init__(self, name, agent, algorithm, seed, total_updates, threads):
+    def __init__(self, name, config, index, total_updates, threads):
         import torch
 
-        from agent_trainer.trainer import AgentTrainer
+        from agent_trainer.group import TrainerStartError, start_trainer
 
         torch.set_num_threads(threads)
-        self.trainer = AgentTrainer(name, agent, algorithm, seed=seed, total_updates=total_updates)
+        self.trainer, self.error = None, None
+        try:
+            self.trainer = start_trainer(name, config, index, total_updates)
+        except TrainerStartError as exc:  # reported by info(), so the driver gets one clean line
+            self.error = str(exc)
 
     def call(self, method: str, kwargs: dict[str, Any]):
         return getattr(self.trainer, method)(**kwargs)
 
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "device": str(self.trainer.device), "node": ray.get_runtime_context().get_node_id(),
+        return {"pid": os.getpid(), "error": self.error, "node": ray.get_runtime_context().get_node_id(),
+                "device": str(self.trainer.device) if self.trainer else None,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
@@ -54,7 +60,7 @@ class RayTrainers:
     """One Ray actor per agent; `call` fans out to all named agents, then gathers once."""
 
     def __init__(self, config: RunConfig, updates: dict[str, int]):
-        from agent_trainer.group import num_threads
+        from agent_trainer.group import TrainerStartError, num_threads
 
         names = list(config.agents)
         bundles = [{"CPU": a.resources.num_cpus, **({"GPU": a.resources.num_gpus} if a.resources.num_gpus else {})}
@@ -77,13 +83,31 @@ class RayTrainers:
                 num_cpus=agent.resources.num_cpus, num_gpus=agent.resources.num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                      placement_group_bundle_index=i),
-            ).remote(name, agent, config.algorithm, config.train.seed + i, updates[name],
-                     num_threads(agent.resources.num_cpus))
+            ).remote(name, config, i, updates[name], num_threads(agent.resources.num_cpus))
+        errors = [i["error"] for i in self.info().values() if i["error"]]  # waits until every trainer is up
+        if errors:
+            self.close()
+            raise TrainerStartError(errors[0])
 
     def call(self, method: str, kwargs_by_agent: dict[str, dict[str, Any]], timeout: float | None = None) -> dict:
-        names = list(kwargs_by_agent)
-        refs = [self.actors[n].call.remote(method, kwargs_by_agent[n]) for n in names]
-        return dict(zip(names, ray.get(refs, timeout=timeout)))
+        """Fan out to every named agent, then gather; a dead, hung or raising trainer is a TrainerFailure."""
+        from agent_trainer.group import TrainerFailure, one_line
+
+        refs = {n: self.actors[n].call.remote(method, kwargs) for n, kwargs in kwargs_by_agent.items()}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = {}
+        for name, ref in refs.items():
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                results[name] = ray.get(ref, timeout=left)
+            except ray.exceptions.GetTimeoutError:
+                raise TrainerFailure(name, method, f"no answer within {timeout:g}s (hung)", recoverable=True) from None
+            except ray.exceptions.RayActorError as exc:
+                reason = " ".join(str(exc).split())[:200]
+                raise TrainerFailure(name, method, f"its process died ({reason})", recoverable=True) from None
+            except ray.exceptions.RayTaskError as exc:
+                raise TrainerFailure(name, method, one_line(exc.cause or exc), recoverable=False) from None
+        return results
 
     def info(self) -> dict[str, dict[str, Any]]:
         names = list(self.actors)

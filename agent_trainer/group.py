@@ -10,11 +10,38 @@ import torch
 
 from agent_trainer.trainer import AgentTrainer
 from protocols.config import RunConfig
+from protocols.errors import UserError
+
+
+class TrainerStartError(UserError, RuntimeError):
+    """A trainer could not start (its model did not load, ...); the message names the agent and the fix."""
+
+
+class TrainerFailure(RuntimeError):
+    """A trainer call failed. `recoverable`: the process died or hung, so a restart from a checkpoint
+    may help; otherwise the trainer raised, which a restart would only repeat."""
+
+    def __init__(self, agent: str, method: str, reason: str, recoverable: bool):
+        super().__init__(f"agent {agent!r}: {method} failed: {reason}")
+        self.agent, self.method, self.recoverable = agent, method, recoverable
 
 
 def num_threads(num_cpus: float) -> int:
     """torch threads for a trainer with `num_cpus` cores: one per whole core, at least one."""
     return max(1, math.floor(num_cpus))
+
+
+def one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def start_trainer(name: str, config: RunConfig, index: int, total_updates: int) -> AgentTrainer:
+    """An AgentTrainer for agent `name`; any failure becomes a one-line TrainerStartError."""
+    try:
+        return AgentTrainer(name, config.agents[name], config.algorithm, seed=config.train.seed + index,
+                            total_updates=total_updates)
+    except Exception as exc:
+        raise TrainerStartError(f"agent {name!r} could not start: {one_line(exc)}") from exc
 
 
 class LocalTrainers:
@@ -23,16 +50,18 @@ class LocalTrainers:
     def __init__(self, config: RunConfig, updates: dict[str, int]):
         self.trainers = {}
         self.threads = {name: num_threads(agent.resources.num_cpus) for name, agent in config.agents.items()}
-        for i, (name, agent) in enumerate(config.agents.items()):
+        for i, name in enumerate(config.agents):
             torch.set_num_threads(self.threads[name])
-            self.trainers[name] = AgentTrainer(name, agent, config.algorithm, seed=config.train.seed + i,
-                                               total_updates=updates[name])
+            self.trainers[name] = start_trainer(name, config, i, updates[name])
 
     def call(self, method: str, kwargs_by_agent: dict[str, dict[str, Any]], timeout: float | None = None) -> dict:
         results = {}
         for name, kwargs in kwargs_by_agent.items():
             torch.set_num_threads(self.threads[name])
-            results[name] = getattr(self.trainers[name], method)(**kwargs)
+            try:
+                results[name] = getattr(self.trainers[name], method)(**kwargs)
+            except Exception as exc:
+                raise TrainerFailure(name, method, one_line(exc), recoverable=False) from exc
         return results
 
     def info(self) -> dict[str, dict[str, Any]]:

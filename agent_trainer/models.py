@@ -45,10 +45,17 @@ def load_model(name: str, *, tokenizer: str | None = None, dtype: str = "float32
                device: str | torch.device = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """`from_pretrained` of a model and its tokenizer; the tokenizer gets a pad token if it has none."""
     path = resolve_model_path(name)
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer) if tokenizer else path)
+    try:
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer) if tokenizer else path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype]).to(device)
+    except OSError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OSError(f"cannot load model {name!r} ({first}); give a local directory with config.json, a hub id "
+                      f"in the local cache, or one of {', '.join(BUILTINS)}") from exc
     if tok.pad_token is None:  # documented handling: pad with EOS; padding never enters the loss
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer of {name!r} has neither a pad nor an EOS token; give one that has")
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype]).to(device)
     return model, tok
 
 

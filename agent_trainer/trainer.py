@@ -41,12 +41,18 @@ class AgentTrainer:
         _seed_everything(seed)
         self.model, self.tokenizer = load_model(agent.model, tokenizer=agent.tokenizer, dtype=agent.dtype,
                                                 device=self.device)
+        gen = agent.generation
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context and gen.max_prompt_length + gen.max_completion_length > context:
+            raise ValueError(
+                f"generation.max_prompt_length ({gen.max_prompt_length}) + max_completion_length "
+                f"({gen.max_completion_length}) exceed the model's context of {context} tokens; lower them"
+            )
         self.ref_model = None
         if algorithm.beta > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self._make_optimizer()
         self.step = 0
-        gen = agent.generation
         self.use_chat_template = (
             gen.use_chat_template if gen.use_chat_template is not None else bool(self.tokenizer.chat_template)
         )

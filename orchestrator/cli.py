@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
-from protocols.config import ConfigError, RunConfig, load_config
+from protocols.config import RunConfig, load_config
+from protocols.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"marsi: error: {_one_line(exc)}", file=sys.stderr)
-        return 2 if isinstance(exc, (ConfigError, FileNotFoundError, ImportError)) else 1
+        return 2 if isinstance(exc, (UserError, FileNotFoundError)) else 1
 
 
 def _one_line(exc: BaseException) -> str:
@@ -66,14 +68,29 @@ def cmd_resume(args) -> int:
 
 
 def _train(coord, started: bool) -> int:
-    start = time.perf_counter()
+    start, signals = time.perf_counter(), []
+
+    def on_signal(signum, frame):
+        if signals and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signals.append(signum)
+        coord.request_stop()
+        print(f"marsi: {signal.Signals(signum).name}: stopping after this step with a checkpoint"
+              " (Ctrl-C again aborts)", file=sys.stderr, flush=True)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         if not started:
             coord.start()
         coord.run()
     finally:
         coord.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     rows = coord.log.metrics()
+    if signals:
+        print(f"marsi: stopped at step {coord.state.step}; continue with: marsi resume {coord.log.dir}", file=sys.stderr)
+        return 128 + signals[0]
     k = max(1, len(rows) // 10)
     first = sum(r["reward/mean"] for r in rows[:k]) / k
     last = sum(r["reward/mean"] for r in rows[-k:]) / k

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent_trainer.group import LocalTrainers, TrainerFailure
 from orchestrator import rollout
 from orchestrator.advantages import experiences_by_agent
 from orchestrator.data import DataPosition, load_samples, next_batch
-from orchestrator.runlog import RunLog
+from orchestrator.runlog import CHECKPOINT_DONE, RunLog, checkpoint_problem
 from orchestrator.schedule import RoleAssignment, Schedule
 from protocols.config import RunConfig, load_config
 from protocols.imports import import_object
@@ -49,6 +51,8 @@ class Coordinator:
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging) if run_dir is not None else None
         self.trainers = None
+        self.restarts = 0
+        self.stop_requested = False
         self._owns_ray = False
         self._seconds = defaultdict(float)
 
@@ -61,18 +65,21 @@ class Coordinator:
         self.close()
 
     def start(self) -> None:
-        updates = {a: self.schedule.updates(a, self.config.train.steps) for a in self.config.agents}
         if self.config.ray.enabled:
-            from agent_trainer.actor import RayTrainers, init_ray
+            from agent_trainer.actor import init_ray
 
             self._owns_ray = init_ray(self.config.ray)
-            self.trainers = RayTrainers(self.config, updates)
-        else:
-            from agent_trainer.group import LocalTrainers
-
-            self.trainers = LocalTrainers(self.config, updates)
+        self.trainers = self._start_trainers()
         if self.log is not None:
             self.log.write_config(self.config)
+
+    def _start_trainers(self):
+        updates = {a: self.schedule.updates(a, self.config.train.steps) for a in self.config.agents}
+        if self.config.ray.enabled:
+            from agent_trainer.actor import RayTrainers
+
+            return RayTrainers(self.config, updates)
+        return LocalTrainers(self.config, updates)
 
     def close(self) -> None:
         if self.trainers is not None:
@@ -100,7 +107,7 @@ class Coordinator:
         start = time.perf_counter()
         requests = {a: {"request": GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a))}
                     for a, p in prompts.items() if p}
-        results = self.trainers.call("generate", requests)
+        results = self.trainers.call("generate", requests, timeout=self.config.train.call_timeout_s)
         self._seconds["generate"] += time.perf_counter() - start
         return {a: r.completions for a, r in results.items()}
 
@@ -108,7 +115,7 @@ class Coordinator:
         """Update each named agent on its experiences now, all agents at once."""
         start = time.perf_counter()
         requests = {a: {"request": UpdateRequest(experiences=e)} for a, e in experiences.items() if e}
-        results = self.trainers.call("update", requests)
+        results = self.trainers.call("update", requests, timeout=self.config.train.call_timeout_s)
         self._seconds["update"] += time.perf_counter() - start
         return results
 
@@ -132,53 +139,105 @@ class Coordinator:
         return self.log.commit_checkpoint(staging, self.state.step, state, self.config.train.keep_checkpoints)
 
     def restore(self, path: str | Path | None = None) -> Path:
-        """Load every trainer and the coordinator state from `path` (default: the newest checkpoint)."""
-        path = Path(path) if path is not None else self.log.latest_checkpoint()
-        if path is None:
-            raise FileNotFoundError(f"{self.log.dir}: no complete checkpoint to resume from")
-        self.trainers.call("load", {a: {"path": str(path / "agents" / a)} for a in self.config.agents})
-        raw = json.loads((path / "coordinator.json").read_text())
+        """Load every trainer and the coordinator state from `path`; by default from the newest
+        checkpoint that is intact, falling back to older ones (and saying so) when the newest is damaged."""
+        candidates = [Path(path)] if path is not None else list(reversed(self.log.checkpoints()))
+        if not candidates:
+            raise FileNotFoundError(f"{self.log.dir}: no complete checkpoint to resume from; start the run anew with marsi run")
+        for i, candidate in enumerate(candidates):
+            problem = checkpoint_problem(candidate)
+            if problem is None:
+                try:
+                    self.trainers.call("load", {a: {"path": str(candidate / "agents" / a)} for a in self.config.agents})
+                    break
+                except TrainerFailure as failure:
+                    problem = str(failure)
+            if i + 1 == len(candidates):
+                raise FileNotFoundError(f"checkpoint {candidate} cannot be loaded: {problem}; no older one is left")
+            say(f"checkpoint {candidate.name} is damaged ({problem}); falling back to {candidates[i + 1].name}")
+        raw = json.loads((candidate / CHECKPOINT_DONE).read_text())
         self.state = CoordinatorState(step=raw["step"], episodes=raw["episodes"], data=DataPosition(**raw["data"]),
                                       baselines=raw["baselines"])
         self.log.truncate_after(self.state.step)
-        return path
+        return candidate
+
+    def recover(self, failure: TrainerFailure) -> None:
+        """Restart every trainer and restore the last good checkpoint; raise when that cannot help."""
+        if not failure.recoverable:
+            raise failure
+        self.restarts += 1
+        limit = self.config.train.max_restarts
+        last = self.log.latest_checkpoint() if self.log is not None else None
+        if self.restarts > limit or last is None:
+            why = f"after {limit} restarts" if last is not None else "and there is no checkpoint to restart from"
+            raise RunFailed(f"{failure}; stopping {why}; last good checkpoint: {last}") from failure
+        say(f"{failure}; restarting the trainers from {last.name} (restart {self.restarts} of {limit})")
+        self.trainers.close()
+        self.trainers = self._start_trainers()
+        self.restore()
+
+    def request_stop(self) -> None:
+        """Stop at the next safe point (after the current step), with a checkpoint."""
+        self.stop_requested = True
 
     def parameters_digests(self) -> dict[str, str]:
         return self.trainers.call("parameters_digest", {a: {} for a in self.config.agents})
 
     # -------------------------------------------------------------------------------------- run
     def run(self, until: int | None = None) -> list[dict[str, Any]]:
-        """Train until `until` steps are done (default `train.steps`); returns the metrics of the steps run here."""
+        """Train until `until` steps are done (default `train.steps`) or a stop is requested; returns
+        the metrics of the steps run here. A dead or hung trainer is restarted from the last checkpoint."""
         cfg = self.config.train
         until = cfg.steps if until is None else min(until, cfg.steps)
+        if self.log is not None and self.log.latest_checkpoint() is None:
+            self.checkpoint()  # step 0: something to restart from
         bar = _progress(self.state.step, until, cfg.progress)
-        history = []
-        while self.state.step < until:
+        history, failed_at = [], None
+        while self.state.step < until and not self.stop_requested:
             self._seconds.clear()
             start = time.perf_counter()
-            # rollout
-            samples = next_batch(self.samples, cfg.batch_size, self.state.data, cfg.seed, self.config.data.shuffle)
-            episodes = self.play(samples)
-            # advantages
-            experiences = experiences_by_agent(episodes, self.config.algorithm, self.state.baselines)
-            # update: the scheduled agents only; the others' experiences are dropped (on-policy)
-            training = [a for a in self.schedule.training_agents(self.state.step) if a in experiences]
-            results = self.train({a: experiences[a] for a in training})
-            self.state.step += 1
-            # log
-            metrics = step_metrics(self.state.step, episodes, results, self._seconds, time.perf_counter() - start)
+            try:
+                # rollout
+                samples = next_batch(self.samples, cfg.batch_size, self.state.data, cfg.seed, self.config.data.shuffle)
+                episodes = self.play(samples)
+                # advantages
+                experiences = experiences_by_agent(episodes, self.config.algorithm, self.state.baselines)
+                # update: the scheduled agents only; the others' experiences are dropped (on-policy)
+                training = [a for a in self.schedule.training_agents(self.state.step) if a in experiences]
+                results = self.train({a: experiences[a] for a in training})
+                self.state.step += 1
+                # log
+                metrics = step_metrics(self.state.step, episodes, results, self._seconds, time.perf_counter() - start)
+                if failed_at is not None:
+                    metrics["time/recovery"], failed_at = time.perf_counter() - failed_at, None
+                if self.log is not None:
+                    self.log.log_metrics(metrics)
+                    self.log.log_transcripts(self.state.step, [e.transcript() for e in episodes[:cfg.transcripts_per_step]])
+                # checkpoint
+                every = cfg.checkpoint_every
+                at_end = self.state.step == cfg.steps or self.stop_requested
+                if self.log is not None and ((every and self.state.step % every == 0) or at_end):
+                    self.checkpoint()
+            except TrainerFailure as failure:
+                failed_at = time.perf_counter()
+                self.recover(failure)  # back to the last checkpoint; its later steps are replayed
+                history = [m for m in history if m["step"] <= self.state.step]
+                bar.reset(until)
+                bar.update(self.state.step)
+                continue
             history.append(metrics)
-            if self.log is not None:
-                self.log.log_metrics(metrics)
-                self.log.log_transcripts(self.state.step, [e.transcript() for e in episodes[:cfg.transcripts_per_step]])
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", training=",".join(training) or "-")
-            # checkpoint
-            every = cfg.checkpoint_every
-            if self.log is not None and ((every and self.state.step % every == 0) or self.state.step == cfg.steps):
-                self.checkpoint()
         bar.close()
         return history
+
+
+class RunFailed(RuntimeError):
+    """The run stopped: a trainer kept failing or could not be restarted; names the last good checkpoint."""
+
+
+def say(message: str) -> None:
+    print(f"marsi: {message}", file=sys.stderr, flush=True)
 
 
 def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, UpdateResult],
@@ -211,7 +270,7 @@ def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, 
         metrics[f"tokens/{agent}"] = r.num_tokens
     generate_s, update_s = seconds.get("generate", 0.0), seconds.get("update", 0.0)
     metrics.update({"time/step": step_seconds, "time/generate": generate_s, "time/update": update_s,
-                    "time/coordinator": step_seconds - generate_s - update_s})
+                    "time/coordinator": step_seconds - generate_s - update_s, "time/end": time.time()})
     return metrics
 
 

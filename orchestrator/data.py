@@ -9,7 +9,12 @@ from typing import Any
 import numpy as np
 
 from protocols.config import DataConfig
+from protocols.errors import UserError
 from protocols.imports import import_object
+
+
+class DataError(UserError, ValueError):
+    """The task data could not be loaded or is empty."""
 
 _FILE_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -17,18 +22,23 @@ _FILE_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "pa
 def load_samples(config: DataConfig) -> list[dict[str, Any]]:
     import datasets
 
-    if config.path is not None:
-        kind = _FILE_KINDS.get(Path(config.path).suffix)
-        if kind is None:
-            raise ValueError(f"data.path: {config.path!r} must end in one of {', '.join(_FILE_KINDS)}")
-        dataset = datasets.load_dataset(kind, data_files=config.path, split="train")
-    elif config.factory is not None:
-        dataset = import_object(config.factory)(**config.kwargs)
-    else:
-        dataset = datasets.load_dataset(config.hub, split=config.split, **config.kwargs)
-    rows = dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
+    key = "data.path" if config.path is not None else "data.factory" if config.factory is not None else "data.hub"
+    try:
+        if config.path is not None:
+            kind = _FILE_KINDS.get(Path(config.path).suffix)
+            if kind is None:
+                raise DataError(f"{config.path!r} must end in one of {', '.join(_FILE_KINDS)}")
+            dataset = datasets.load_dataset(kind, data_files=config.path, split="train")
+        elif config.factory is not None:
+            dataset = import_object(config.factory)(**config.kwargs)
+        else:
+            dataset = datasets.load_dataset(config.hub, split=config.split, **config.kwargs)
+        rows = dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
+    except Exception as exc:
+        raise DataError(f"{key}: loading the data raised {type(exc).__name__}: {' '.join(str(exc).split())}; "
+                        "check the data source") from exc
     if not rows:
-        raise ValueError("data: the dataset is empty; give it at least one sample")
+        raise DataError(f"{key}: the dataset is empty; give it at least one sample")
     return rows
 
 

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from protocols.env import Environment
+from protocols.errors import UserError
 from protocols.messages import Completion, Prompt
 
 
-class EnvironmentError_(RuntimeError):
+class EnvironmentFault(UserError, RuntimeError):
     """An environment raised or broke its contract; the message names the episode and turn."""
 
 
@@ -96,6 +97,9 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
         for episode in live:
             seats = assignment(episode.index, turn)
             for role, prompt in episode.prompts.items():
+                if role not in seats:
+                    raise EnvironmentFault(f"episode {episode.index} turn {turn}: role {role!r} has no agent in "
+                                           f"roles.assignment ({', '.join(seats)}); seat every role the environment uses")
                 wanted.setdefault(seats[role], []).append((episode, role, prompt))
         completions = generate({agent: [p for _, _, p in items] for agent, items in wanted.items()},
                                derive_seed(seed, first_episode, turn))
@@ -112,7 +116,7 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
             episode.prompts = result.prompts
             episode.terminated, episode.truncated = result.terminated, result.truncated
             if not episode.done and not result.prompts:
-                raise EnvironmentError_(f"episode {episode.index} turn {turn}: step returned no prompts but did not "
+                raise EnvironmentFault(f"episode {episode.index} turn {turn}: step returned no prompts but did not "
                                         "end the episode; set terminated or truncated")
             if not episode.done and turn + 1 >= episode.env.max_turns:
                 episode.truncated, episode.prompts = True, {}
@@ -126,7 +130,7 @@ def _guard(episode: Episode, turn: int, what: str, fn: Callable[[], Any]) -> Any
     try:
         return fn()
     except Exception as exc:
-        raise EnvironmentError_(f"episode {episode.index} turn {turn}: {type(episode.env).__name__}.{what} raised "
+        raise EnvironmentFault(f"episode {episode.index} turn {turn}: {type(episode.env).__name__}.{what} raised "
                                 f"{type(exc).__name__}: {exc}; fix the environment (check it with check_env)") from exc
 
 
@@ -134,5 +138,5 @@ def _check_reward(episode: Episode, turn: int, reward: Any) -> None:
     values = reward.values() if isinstance(reward, dict) else [reward]
     for value in values:
         if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise EnvironmentError_(f"episode {episode.index} turn {turn}: reward {reward!r} is not finite; "
+            raise EnvironmentFault(f"episode {episode.index} turn {turn}: reward {reward!r} is not finite; "
                                     "the environment must return finite rewards")

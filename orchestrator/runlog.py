@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -72,8 +73,10 @@ class RunLog:
         return path
 
     def commit_checkpoint(self, staging: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-        """Write the coordinator state last, rename the directory into place, keep the newest `keep`."""
-        (staging / CHECKPOINT_DONE).write_text(json.dumps(state))
+        """Write the coordinator state (with a checksum of every file) last, rename the directory into
+        place, keep the newest `keep`."""
+        manifest = {str(p.relative_to(staging)): _sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
+        (staging / CHECKPOINT_DONE).write_text(json.dumps({**state, "manifest": manifest}))
         final = self.checkpoint_dir() / f"step-{step:06d}"
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
@@ -91,6 +94,29 @@ class RunLog:
     def latest_checkpoint(self) -> Path | None:
         found = self.checkpoints()
         return found[-1] if found else None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` must not be loaded (missing, truncated or altered file), or None."""
+    try:
+        manifest = json.loads((path / CHECKPOINT_DONE).read_text())["manifest"]
+    except (OSError, ValueError, KeyError) as exc:
+        return f"{CHECKPOINT_DONE} unreadable ({type(exc).__name__})"
+    for name, digest in manifest.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if _sha256(file) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

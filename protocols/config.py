@@ -12,10 +12,11 @@ from typing import Any, Literal, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from protocols.errors import UserError
 from protocols.imports import ImportPathError, absolute_spec, import_object
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A user error in a run config; its message is one line."""
 
 
@@ -167,6 +168,10 @@ class TrainConfig(_Strict):
     """Newest checkpoints kept."""
     run_dir: str = "runs/{name}-{time}"
     """Run directory; `{name}` is the config file's stem, `{time}` the start time."""
+    max_restarts: int = Field(3, ge=0)
+    """Times a dead or hung trainer is restarted (all trainers restored from the last checkpoint) before the run stops."""
+    call_timeout_s: float | None = Field(None, gt=0.0)
+    """A generate or update taking longer than this counts as a hung trainer; None waits forever."""
     transcripts_per_step: int = Field(2, ge=0)
     """Episodes per step written whole to transcripts.jsonl."""
     progress: bool = True

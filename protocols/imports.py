@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from protocols.errors import UserError
 
-class ImportPathError(ImportError):
+
+class ImportPathError(UserError, ImportError):
     """An import spec that does not resolve; its message is one line and says the fix."""
 
 

@@ -61,3 +61,38 @@ def config(agents=("a", "b"), roles=None, *, turns=1, ray=False, **sections) -> 
     for key, value in sections.items():
         raw[key] = {**raw.get(key, {}), **value}
     return raw
+
+
+_played: dict[str, int] = {}
+
+
+class BrokenEnv(LetterEnv):
+    """LetterEnv that misbehaves once `after` episodes (counted per `token`) have started: `fail` is
+    "reset" or "step" (raise there), "nan" or "inf" (return that reward)."""
+
+    def __init__(self, fail="step", after=0, token="", **kwargs):
+        super().__init__(**kwargs)
+        self.fail, self.after, self.token = fail, after, token
+
+    def reset(self, sample, seed=None):
+        _played[self.token] = _played.get(self.token, 0) + 1
+        self.broken = _played[self.token] > self.after
+        if self.broken and self.fail == "reset":
+            raise KeyError("target")
+        return super().reset(sample, seed)
+
+    def step(self, actions):
+        result = super().step(actions)
+        if self.broken and self.fail == "step":
+            raise ZeroDivisionError("division by zero")
+        if self.broken and self.fail in ("nan", "inf"):
+            result.reward = float(self.fail)
+        return result
+
+
+def empty() -> datasets.Dataset:
+    return datasets.Dataset.from_list([])
+
+
+def raising_factory() -> datasets.Dataset:
+    raise FileNotFoundError("tasks.jsonl")

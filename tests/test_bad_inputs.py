@@ -1,0 +1,121 @@
+"""Bad input gets one line naming the file, key, agent or episode and the fix, and a non-zero exit.
+
+The table here is the one in docs/errors.md; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.cli import main
+from orchestrator.runlog import RunLog, checkpoint_problem
+from tests.envs import HERE, config
+
+ENVS = HERE / "envs.py"
+DOC = HERE.parent / "docs" / "errors.md"
+
+
+def cfg(tmp_path, edit=None, text=None):
+    """Write a run config (the tiny two-agent one, in-process trainers) changed by `edit(raw)`."""
+    raw = config(train={"steps": 2})
+    if edit:
+        edit(raw)
+    path = tmp_path / "run.yaml"
+    path.write_text(text if text is not None else yaml.safe_dump(raw))
+    return path
+
+
+def setter(dotted, value):
+    def edit(raw):
+        *parents, last = dotted.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return edit
+
+
+def broken_env(fail, after=0):
+    def edit(raw):
+        raw["environment"]["name"] = f"{ENVS}:BrokenEnv"
+        raw["environment"]["kwargs"].update(fail=fail, after=after, token=f"{fail}-{after}-{id(raw)}")
+    return edit
+
+
+def run(edit=None, *extra, text=None):
+    return lambda tmp_path: ["run", str(cfg(tmp_path, edit, text)), *extra, "--run-dir", str(tmp_path / "out")]
+
+
+CASES = {
+    "malformed_yaml": (run(text="agents: {a: [\n"), "malformed YAML"),
+    "not_a_mapping": (run(text="- a\n- b\n"), "expected a mapping of sections"),
+    "unknown_key": (run(setter("train.stepz", 3)), "train.stepz: unknown key; allowed keys here: steps"),
+    "wrong_type": (run(setter("train.steps", "many")), "train.steps: Input should be a valid integer"),
+    "out_of_range": (run(setter("algorithm.discount", 2)), "algorithm.discount: Input should be less than or equal to 1"),
+    "missing_section": (run(lambda raw: raw.pop("roles")), "roles: missing; this key is required"),
+    "config_file_missing": (lambda tmp_path: ["run", str(tmp_path / "nope.yaml")], "cannot read config"),
+    "module_missing": (run(setter("environment.name", "no_such_pkg.envs:Env")), "cannot import module 'no_such_pkg.envs'"),
+    "env_file_missing": (run(setter("environment.name", "missing.py:Env")), "environment.name: file"),
+    "attribute_missing": (run(setter("environment.name", f"{ENVS}:Nope")), "has no attribute 'Nope'"),
+    "data_file_missing": (run(lambda raw: raw.update(data={"path": "nope.jsonl"})), "data.path: file"),
+    "data_factory_raises": (run(setter("data.factory", f"{ENVS}:raising_factory")),
+                            "data.factory: loading the data raised FileNotFoundError"),
+    "empty_dataset": (run(setter("data.factory", f"{ENVS}:empty")), "data.factory: the dataset is empty"),
+    "role_names_unknown_agent": (run(setter("roles.assignment", {"r0": "a", "r1": "zed"})),
+                                 "roles.assignment: agent 'zed' is not defined"),
+    "schedule_names_unknown_agent": (run(setter("schedule.frozen", ["zed"])), "schedule.frozen: agent 'zed'"),
+    "one_generation_per_group": (run(setter("train.num_generations", 1)), "set train.num_generations >= 2"),
+    "bad_override": (run(None, "train.steps"), "expected dotted.key=value"),
+    "model_path_missing": (run(setter("agents.a.model", "/no/such/model")),
+                           "agent 'a' could not start: OSError: cannot load model '/no/such/model'"),
+    "unknown_builtin": (run(setter("agents.b.model", "builtin:huge")), "unknown built-in model 'builtin:huge'"),
+    "prompt_longer_than_context": (run(setter("agents.a.generation", {"max_prompt_length": 1020,
+                                                                      "max_completion_length": 8})),
+                                   "exceed the model's context of 1024 tokens; lower them"),
+    "env_raises_in_reset": (run(broken_env("reset")), "episode 0 turn 0: BrokenEnv.reset raised KeyError"),
+    "env_raises_in_step": (run(broken_env("step")), "BrokenEnv.step raised ZeroDivisionError"),
+    "env_role_without_agent": (run(setter("environment.kwargs", {"roles": ["r0", "r9"]})),
+                               "role 'r9' has no agent in roles.assignment"),
+    "nan_reward": (run(broken_env("nan")), "reward nan is not finite"),
+    "infinite_reward": (run(broken_env("inf")), "reward inf is not finite"),
+    "resume_without_checkpoint": (lambda tmp_path: ["resume", str(_run_dir_without_checkpoint(tmp_path))],
+                                  "no complete checkpoint to resume from"),
+    "resume_missing_dir": (lambda tmp_path: ["resume", str(tmp_path / "nope")], "cannot read config"),
+    "plot_without_metrics": (lambda tmp_path: ["plot", str(tmp_path)], "no metrics.jsonl rows to plot"),
+}
+
+
+def _run_dir_without_checkpoint(tmp_path):
+    run_dir = tmp_path / "bare"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config()))
+    return run_dir
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gets_one_clear_line(case, tmp_path, capsys):
+    make_argv, expected = CASES[case]
+    code = main(make_argv(tmp_path))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("marsi: error: "), err
+    assert expected in err and "Traceback" not in err
+
+
+def test_an_environment_failure_leaves_the_last_checkpoint_intact(tmp_path, capsys):
+    argv = run(broken_env("step", after=4), "train.checkpoint_every=1")(tmp_path)  # 4 episodes per step
+    assert main(argv) == 2
+    assert "episode 4 turn 0: BrokenEnv.step raised ZeroDivisionError" in capsys.readouterr().err
+    last = RunLog(tmp_path / "out").latest_checkpoint()
+    assert last.name == "step-000001" and checkpoint_problem(last) is None
+    assert [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_the_docs_table_lists_every_case():
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", DOC.read_text(), flags=re.M))
+    assert documented == set(CASES)

@@ -1,0 +1,139 @@
+"""Surviving dead and hung trainers, exact resume, damaged checkpoints, graceful stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.coordinator import Coordinator, RunFailed
+from orchestrator.runlog import RunLog, checkpoint_problem
+from protocols.config import validate_config
+from tests.envs import config
+
+MARSI = [sys.executable, "-m", "orchestrator.cli"]
+STEPS = 4
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_times(metrics):
+    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
+
+
+def raw_config(**train):
+    return config(train={"steps": STEPS, "checkpoint_every": 1, "keep_checkpoints": 5, **train})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Metrics of the reference run: same seed, no interruption (in-process trainers)."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    with Coordinator(validate_config(raw_config()), run_dir) as coord:
+        coord.run()
+    return without_times(rows(run_dir))
+
+
+def write(tmp_path, raw):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_killed_trainer_is_restarted_and_the_run_ends_as_if_uninterrupted(ray_cluster, tmp_path, uninterrupted):
+    raw = raw_config()
+    raw["ray"]["enabled"] = True
+    with Coordinator(validate_config(raw), tmp_path) as coord:
+        victim = coord.trainers.info()["b"]["pid"]
+
+        def kill_mid_run():
+            while coord.state.step < 2:
+                time.sleep(0.01)
+            os.kill(victim, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_mid_run)
+        killer.start()
+        coord.run()
+        killer.join()
+        assert coord.restarts == 1
+        assert coord.trainers.info()["b"]["pid"] != victim
+    metrics = rows(tmp_path)
+    assert without_times(metrics) == uninterrupted
+    assert any("time/recovery" in m for m in metrics)
+
+
+def test_hung_trainer_is_reported_and_restarts_are_limited(tmp_path):
+    raw = raw_config(call_timeout_s=0.001, max_restarts=1)
+    raw["ray"]["enabled"] = True
+    with pytest.raises(RunFailed, match=r"agent '(a|b)': generate failed: no answer within 0.001s \(hung\); "
+                                        r"stopping after 1 restarts; last good checkpoint: .*step-000000"):
+        with Coordinator(validate_config(raw), tmp_path) as coord:
+            coord.run()
+    assert checkpoint_problem(RunLog(tmp_path).latest_checkpoint()) is None
+
+
+def test_sigkilled_coordinator_resumes_to_the_same_metrics(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*MARSI, "run", str(write(tmp_path, raw_config())), "--run-dir", str(run_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < 2:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(rows(run_dir)) < STEPS
+    out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert without_times(rows(run_dir)) == uninterrupted
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    assert subprocess.run([*MARSI, "run", str(write(tmp_path, raw_config())), "--run-dir", str(run_dir)],
+                          capture_output=True).returncode == 0
+    log = RunLog(run_dir)
+    newest = log.latest_checkpoint()
+    weights = newest / "agents" / "a" / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # cut off mid-file
+    assert "model.safetensors" in checkpoint_problem(newest)
+    out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"checkpoint {newest.name} is damaged" in out.stderr and "falling back to step-000003" in out.stderr
+    assert without_times(rows(run_dir)) == uninterrupted
+
+
+def test_unfinished_checkpoints_are_never_listed(tmp_path):
+    log = RunLog(tmp_path)
+    staging = log.staging_path(7)  # a write cut off before the rename
+    (staging / "agents").mkdir()
+    (log.checkpoint_dir() / "step-000009").mkdir()  # no coordinator.json: incomplete
+    assert log.checkpoints() == [] and log.latest_checkpoint() is None
+
+
+def test_sigterm_stops_at_a_safe_point_with_a_checkpoint(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    raw = raw_config(checkpoint_every=0)
+    proc = subprocess.Popen([*MARSI, "run", str(write(tmp_path, raw)), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (run_dir / "metrics.jsonl").exists():
+        assert proc.poll() is None
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    stopped = len(rows(run_dir))
+    assert stopped < STEPS and f"stopped at step {stopped}" in err
+    assert RunLog(run_dir).latest_checkpoint().name == f"step-{stopped:06d}"
+    out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert without_times(rows(run_dir)) == uninterrupted
