@@ -12,9 +12,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from protocols.config import RayConfig, RunConfig
+from protocols.errors import UserError
 
 
-class PlacementError(RuntimeError):
+class PlacementError(UserError, RuntimeError):
     """The cluster cannot hold the trainers; the message lists what was asked and what is free."""
 
 

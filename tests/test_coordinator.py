@@ -111,3 +111,14 @@ def test_primitives_for_a_custom_loop():
         results = coord.train({"b": [Experience.from_completion(c, 1.0) for c in out["b"]]})
         after = coord.parameters_digests()
     assert list(results) == ["b"] and after["a"] == before["a"] and after["b"] != before["b"]
+
+
+def test_placement_timeout_lists_asked_and_free_resources(ray_cluster):
+    from agent_trainer.actor import PlacementError
+
+    raw = config(ray=True)
+    raw["agents"]["a"]["resources"] = {"num_cpus": 0.5, "num_gpus": 4}
+    raw["ray"]["placement_timeout_s"] = 1
+    with pytest.raises(PlacementError, match=r"asked for a: \{'CPU': 0.5, 'GPU': 4.0\}.*cluster has free .*'GPU': 2.0"):
+        with Coordinator(validate_config(raw)):
+            pass
