@@ -12,6 +12,7 @@ loaded through the same `from_pretrained` path as any other model:
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -35,7 +36,7 @@ def resolve_model_path(name: str) -> str:
     if name == "builtin:tiny":
         return str(_materialise("tiny-llama-v1", _build_tiny))
     if name == "builtin:smollm2-135m-instruct":
-        return str(_materialise("smollm2-135m-instruct-v1", _build_smollm2))
+        return str(_materialise("smollm2-135m-instruct-v2", _build_smollm2))
     if name.startswith("builtin:"):
         raise ValueError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTINS)}")
     return name
@@ -124,8 +125,12 @@ def _build_smollm2(out: Path) -> None:
     gguf = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one and copy the weights over.
-    model = AutoModelForCausalLM.from_config(quantised.config, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one (its config without the GGUF
+    # quantization entry, which would make every later load refuse to save too) and copy the weights.
+    config = copy.deepcopy(quantised.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantised.state_dict())
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)

@@ -32,7 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("schema", help="print the config's JSON schema")
     p = sub.add_parser("plot", help="write PNG curves of a run")
     p.add_argument("run_dir")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+        args.overrides += rest  # overrides given after options
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return COMMANDS[args.command](args)

@@ -139,3 +139,9 @@ def test_run_joins_a_separately_started_cluster(tmp_path):
         head.terminate()
         head.wait(timeout=90)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_overrides_may_follow_options(tmp_path):
+    out = marsi("validate", write(tmp_path, config(train={"steps": 5})), "--steps", "3", "train.steps=1")
+    assert out.returncode == 0, out.stderr
+    assert "step 0:" in out.stdout and "step 1:" not in out.stdout

