@@ -126,7 +126,7 @@ def test_plain_loop_learns_to_say_the_named_letter():
     trainer = make_trainer(max_completion_length=2)
     rng, letters, G, B = random.Random(0), "abcd", 8, 8
     curve = []
-    for step in range(80):
+    for step in range(100):
         targets = [rng.choice(letters) for _ in range(B)]
         prompts = [f"Say {t}" for t in targets for _ in range(G)]
         result = trainer.generate(GenerateRequest(prompts=prompts, seed=step))
@@ -135,5 +135,5 @@ def test_plain_loop_learns_to_say_the_named_letter():
         trainer.update(UpdateRequest(experiences=experiences(result, advantages.tolist())))
         curve.append(rewards.mean().item())
     start, end = sum(curve[:10]) / 10, sum(curve[-10:]) / 10
-    print("reward curve (mean per 10 steps):", [round(sum(curve[i:i + 10]) / 10, 2) for i in range(0, 80, 10)])
+    print("reward curve (mean per 10 steps):", [round(sum(curve[i:i + 10]) / 10, 2) for i in range(0, 100, 10)])
     assert start < 0.2 and end > 0.7
