@@ -12,7 +12,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.envs import config

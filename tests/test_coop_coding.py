@@ -3,7 +3,6 @@ one tiny run through the Coordinator with Ray real."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import tempfile
