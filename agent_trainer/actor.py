@@ -12,7 +12,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from protocols.config import RayConfig, RunConfig
-from protocols.errors import UserError
+from protocols.errors import UserError, describe, one_line
 
 
 class PlacementError(UserError, RuntimeError):
@@ -92,7 +92,7 @@ class RayTrainers:
 
     def call(self, method: str, kwargs_by_agent: dict[str, dict[str, Any]], timeout: float | None = None) -> dict:
         """Fan out to every named agent, then gather; a dead, hung or raising trainer is a TrainerFailure."""
-        from agent_trainer.group import TrainerFailure, one_line
+        from agent_trainer.group import TrainerFailure
 
         refs = {n: self.actors[n].call.remote(method, kwargs) for n, kwargs in kwargs_by_agent.items()}
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -104,10 +104,10 @@ class RayTrainers:
             except ray.exceptions.GetTimeoutError:
                 raise TrainerFailure(name, method, f"no answer within {timeout:g}s (hung)", recoverable=True) from None
             except ray.exceptions.RayActorError as exc:
-                reason = " ".join(str(exc).split())[:200]
+                reason = one_line(exc)[:200]
                 raise TrainerFailure(name, method, f"its process died ({reason})", recoverable=True) from None
             except ray.exceptions.RayTaskError as exc:
-                raise TrainerFailure(name, method, one_line(exc.cause or exc), recoverable=False) from None
+                raise TrainerFailure(name, method, describe(exc.cause or exc), recoverable=False) from None
         return results
 
     def info(self) -> dict[str, dict[str, Any]]:

@@ -10,7 +10,7 @@ import torch
 
 from agent_trainer.trainer import AgentTrainer
 from protocols.config import RunConfig
-from protocols.errors import UserError
+from protocols.errors import UserError, describe
 
 
 class TrainerStartError(UserError, RuntimeError):
@@ -31,17 +31,13 @@ def num_threads(num_cpus: float) -> int:
     return max(1, math.floor(num_cpus))
 
 
-def one_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-
-
 def start_trainer(name: str, config: RunConfig, index: int, total_updates: int) -> AgentTrainer:
     """An AgentTrainer for agent `name`; any failure becomes a one-line TrainerStartError."""
     try:
         return AgentTrainer(name, config.agents[name], config.algorithm, seed=config.train.seed + index,
                             total_updates=total_updates)
     except Exception as exc:
-        raise TrainerStartError(f"agent {name!r} could not start: {one_line(exc)}") from exc
+        raise TrainerStartError(f"agent {name!r} could not start: {describe(exc)}") from exc
 
 
 class LocalTrainers:
@@ -61,7 +57,7 @@ class LocalTrainers:
             try:
                 results[name] = getattr(self.trainers[name], method)(**kwargs)
             except Exception as exc:
-                raise TrainerFailure(name, method, one_line(exc), recoverable=False) from exc
+                raise TrainerFailure(name, method, describe(exc), recoverable=False) from exc
         return results
 
     def info(self) -> dict[str, dict[str, Any]]:

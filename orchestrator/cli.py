@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from protocols.config import RunConfig, load_config
-from protocols.errors import UserError
+from protocols.errors import UserError, one_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,12 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        print(f"marsi: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"marsi: error: {one_line(exc) or type(exc).__name__}", file=sys.stderr)
         return 2 if isinstance(exc, (UserError, FileNotFoundError)) else 1
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def cmd_run(args) -> int:

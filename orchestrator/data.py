@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from protocols.config import DataConfig
-from protocols.errors import UserError
+from protocols.errors import UserError, describe
 from protocols.imports import import_object
 
 
@@ -35,7 +35,7 @@ def load_samples(config: DataConfig) -> list[dict[str, Any]]:
             dataset = datasets.load_dataset(config.hub, split=config.split, **config.kwargs)
         rows = dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
     except Exception as exc:
-        raise DataError(f"{key}: loading the data raised {type(exc).__name__}: {' '.join(str(exc).split())}; "
+        raise DataError(f"{key}: loading the data raised {describe(exc)}; "
                         "check the data source") from exc
     if not rows:
         raise DataError(f"{key}: the dataset is empty; give it at least one sample")

@@ -8,15 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from protocols.errors import UserError
+from protocols.errors import UserError, describe
 
 
 class ImportPathError(UserError, ImportError):
     """An import spec that does not resolve; its message is one line and says the fix."""
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
 
 
 def absolute_spec(spec: str, base_dir: Path) -> str:
@@ -46,7 +42,7 @@ def import_object(spec: str) -> Any:
                 loaded.loader.exec_module(module)
             except Exception as exc:
                 del sys.modules[key]
-                raise ImportPathError(f"importing {str(path)!r} raised {type(exc).__name__}: {_one_line(exc)}") from exc
+                raise ImportPathError(f"importing {str(path)!r} raised {describe(exc)}") from exc
     else:
         try:
             module = importlib.import_module(module_name)
@@ -55,7 +51,7 @@ def import_object(spec: str) -> Any:
                 f"cannot import module {module_name!r} ({exc}); expected 'package.module:Name' importable from here"
             ) from None
         except Exception as exc:
-            raise ImportPathError(f"importing {module_name!r} raised {type(exc).__name__}: {_one_line(exc)}") from exc
+            raise ImportPathError(f"importing {module_name!r} raised {describe(exc)}") from exc
     try:
         return getattr(module, attr)
     except AttributeError:
