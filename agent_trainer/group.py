@@ -35,7 +35,7 @@ def start_trainer(name: str, config: RunConfig, index: int, total_updates: int) 
     """An AgentTrainer for agent `name`; any failure becomes a one-line TrainerStartError."""
     try:
         return AgentTrainer(name, config.agents[name], config.algorithm, seed=config.train.seed + index,
-                            total_updates=total_updates)
+                            total_updates=total_updates, trainable=name not in config.schedule.frozen)
     except Exception as exc:
         raise TrainerStartError(f"agent {name!r} could not start: {describe(exc)}") from exc
 

@@ -7,9 +7,11 @@ Shapes: B sequences, T completion tokens (padded), V vocabulary.
   2025). Departures: groups are given by arbitrary integer ids, so groups may differ in size
   (episodes that ended early, per-(agent, turn) groups); the std is the population std (ddof=0),
   so a group of one gets advantage 0 instead of NaN; `eps` guards a zero std.
-- `ema_update` is the per-role moving-average baseline of SPIRAL's role-conditioned advantage
-  estimation (Liu et al., 2025): advantage = return - b_role, then b_role <- decay*b_role + (1-decay)*return.
-  Departure: none beyond taking the baseline *before* folding in the current batch's returns.
+- `ema_advantages` is the moving-average baseline of SPIRAL's role-conditioned advantage estimation
+  (Liu et al., 2025): advantage = return - b, b starting at 0. Departure: SPIRAL folds each game's
+  return into b before scoring the next; here a batch's n returns are all scored against b from
+  before the batch, then b <- decay**n * b + (1 - decay**n) * mean(returns): the weight n sequential
+  updates leave on the old b, the batch's returns weighted equally, so episode order never matters.
 - `clipped_policy_loss` is PPO's clipped surrogate per token (Schulman et al., 2017) with one scalar
   advantage per sequence, as GRPO. When the old log-probs are the detached current ones (one pass
   over the batch), the ratio is 1 and the gradient equals REINFORCE with the advantage.
@@ -17,8 +19,9 @@ Shapes: B sequences, T completion tokens (padded), V vocabulary.
 - `aggregate_loss`: `token` averages over every completion token of the whole batch (DAPO, Yu et
   al., 2025), normalised by the batch's total tokens so gradient accumulation over micro-batches gives
   the same gradient as one big batch; `sequence` averages per sequence then over sequences (GRPO).
-- `completion_mask_from_ids` keeps every token up to and including the first EOS and drops all
-  padding after it, so pad-after-EOS never enters the loss and the last real token always does.
+- Log-probs and entropies are those of the sampling distribution: the trainer passes logits through
+  `agent_trainer.sampling.sampling_logits` (temperature, top-k, top-p; -inf outside the kept set)
+  before `selective_log_softmax` / `entropy_from_logits`.
 """
 
 from __future__ import annotations
@@ -35,15 +38,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """(B, T) int mask: 1 up to and including the first EOS of each row, 0 after it."""
-    is_eos = completion_ids == eos_token_id  # (B, T)
-    T = completion_ids.size(1)
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], T, dtype=torch.long))
-    positions = torch.arange(T, device=completion_ids.device).expand_as(completion_ids)  # (B, T)
-    return (positions <= first_eos.unsqueeze(1)).int()
-
-
 def group_relative_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale: bool = True,
                               eps: float = 1e-4) -> torch.Tensor:
     """(B,) advantages: reward minus its group's mean, divided by the group's std when `scale`."""
@@ -58,15 +52,12 @@ def group_relative_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, sc
     return centred / (var.sqrt()[inverse] + eps)
 
 
-def ema_update(baseline: float | None, returns: list[float], decay: float) -> tuple[list[float], float]:
-    """Advantages of `returns` against an EMA baseline (starting at the first return), and the new baseline."""
+def ema_advantages(baseline: float, returns: list[float], decay: float) -> tuple[list[float], float]:
+    """Advantages of a batch of `returns` against `baseline`, and the baseline with the batch folded in."""
     if not returns:
-        return [], baseline if baseline is not None else 0.0
-    b = returns[0] if baseline is None else baseline
-    advantages = [r - b for r in returns]
-    for r in returns:
-        b = decay * b + (1.0 - decay) * r
-    return advantages, b
+        return [], baseline
+    kept = decay ** len(returns)
+    return [r - baseline for r in returns], kept * baseline + (1.0 - kept) * sum(returns) / len(returns)
 
 
 def discounted_returns(rewards: list[float], discount: float) -> list[float]:
@@ -85,9 +76,9 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(B, T) entropy of the (B, T, V) categorical distributions."""
+    """(B, T) entropy of the (B, T, V) categorical distributions; -inf logits are tokens with probability 0."""
     logp = F.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    return -(logp.exp() * logp.masked_fill(torch.isneginf(logp), 0.0)).sum(-1)
 
 
 def kl_k3(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 BUILTINS = ("builtin:tiny", "builtin:smollm2-135m-instruct")
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def cache_dir() -> Path:
@@ -48,7 +48,7 @@ def load_model(name: str, *, tokenizer: str | None = None, dtype: str = "float32
     path = resolve_model_path(name)
     try:
         tok = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer) if tokenizer else path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype]).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise OSError(f"cannot load model {name!r} ({first}); give a local directory with config.json, a hub id "
@@ -58,6 +58,16 @@ def load_model(name: str, *, tokenizer: str | None = None, dtype: str = "float32
             raise ValueError(f"tokenizer of {name!r} has neither a pad nor an EOS token; give one that has")
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+def source_fingerprint(name: str) -> dict[str, list[int]]:
+    """Size and modification time of every file of a local model directory (empty for a hub id): what a
+    frozen agent's checkpoint records instead of a copy of its weights."""
+    path = Path(resolve_model_path(name))
+    if not path.is_dir():
+        return {}
+    return {str(f.relative_to(path)): [f.stat().st_size, f.stat().st_mtime_ns]
+            for f in sorted(path.rglob("*")) if f.is_file()}
 
 
 def _materialise(key: str, build) -> Path:

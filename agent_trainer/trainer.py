@@ -1,10 +1,31 @@
-"""AgentTrainer: one agent's model, tokenizer, optimizer and schedule, usable without Ray."""
+"""AgentTrainer: one agent's model, tokenizer, optimizer and learning-rate schedule, usable without Ray.
+
+Choices a reviewer should know (they follow trl, verl and SPIRAL unless said otherwise):
+
+- Precision: a trainable agent keeps float32 master weights and AdamW state and computes in
+  `agent.dtype` under autocast (float16 adds dynamic loss scaling), so small updates are not rounded
+  away; a frozen agent stores its weights in `agent.dtype`, and so does the KL reference model.
+- Dropout is off: the model stays in eval mode during updates too (trl disables dropout likewise), so
+  the update trains the policy that sampled.
+- Log-probs, behaviour and trained, are those of the distribution sampled from: temperature (the one
+  each completion was drawn at), top-k and top-p applied and renormalised (`agent_trainer.sampling`).
+- `num_iterations == 1`: the ratio is taken against the detached current log-probs (ratio 1, the
+  REINFORCE gradient); the behaviour log-probs only feed the `logp_mismatch` diagnostic. More passes
+  use the behaviour log-probs as the ratio's denominator (PPO).
+- A pass whose loss or gradient is not finite does not step the optimizer (its state stays clean);
+  it counts in `skipped_steps`. Non-finite weights are never checkpointed.
+- The learning rate is a pure function of (update count, scheduled total): after `load`, it follows
+  the schedule of the total this trainer was built with at the restored update count, so extending a
+  run (a larger `train.steps`) continues on the curve for the new total from where the run stands.
+- `grad_norm` is the mean of the passes' pre-clipping norms.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import hashlib
+import json
 import math
 import random
 import time
@@ -13,17 +34,21 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM
 
-from agent_trainer import losses
-from agent_trainer.models import load_model
+from agent_trainer import losses, sampling
+from agent_trainer.models import DTYPES, load_model, source_fingerprint
 from protocols.config import AgentConfig, AlgorithmConfig
 from protocols.messages import (
     CheckpointInfo, Completion, Experience, GenerateRequest, GenerateResult, Prompt, UpdateRequest, UpdateResult,
+    check_experiences,
 )
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
+
+FROZEN_MARKER = "frozen.json"
+"""A frozen agent's checkpoint: the source of its weights instead of a copy of them."""
 
 
 def pick_device(num_gpus: float) -> torch.device:
@@ -31,16 +56,18 @@ def pick_device(num_gpus: float) -> torch.device:
 
 
 class AgentTrainer:
-    """Generates completions for prompts and updates its policy from scored completions."""
+    """Generates completions for prompts and, unless frozen, updates its policy from scored completions."""
 
     def __init__(self, name: str, agent: AgentConfig, algorithm: AlgorithmConfig, *, seed: int = 0,
-                 total_updates: int = 1000, device: str | torch.device | None = None):
-        self.name, self.agent, self.algorithm = name, agent, algorithm
+                 total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True):
+        self.name, self.agent, self.algorithm, self.trainable = name, agent, algorithm, trainable
         self.total_updates = max(1, total_updates)
         self.device = torch.device(device) if device is not None else pick_device(agent.resources.num_gpus)
+        self.compute_dtype = DTYPES[agent.dtype]
         _seed_everything(seed)
-        self.model, self.tokenizer = load_model(agent.model, tokenizer=agent.tokenizer, dtype=agent.dtype,
-                                                device=self.device)
+        self.model, self.tokenizer = load_model(agent.model, tokenizer=agent.tokenizer, device=self.device,
+                                                dtype="float32" if trainable else agent.dtype)
+        self.model.eval()  # dropout off for good: the update trains the policy that sampled
         gen = agent.generation
         context = getattr(self.model.config, "max_position_embeddings", None)
         if context and gen.max_prompt_length + gen.max_completion_length > context:
@@ -48,11 +75,14 @@ class AgentTrainer:
                 f"generation.max_prompt_length ({gen.max_prompt_length}) + max_completion_length "
                 f"({gen.max_completion_length}) exceed the model's context of {context} tokens; lower them"
             )
-        self.ref_model = None
-        if algorithm.beta > 0:
-            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self._make_optimizer()
+        self.stop_ids = sampling.stop_token_ids(self.tokenizer, self.model)
+        self.ref_model = self.optimizer = None
+        if trainable:
+            if algorithm.beta > 0:
+                self.ref_model = copy.deepcopy(self.model).to(self.compute_dtype).requires_grad_(False)
+            self._make_optimizer()
         self.step = 0
+        self.from_checkpoint = False  # weights came from a checkpoint, not from agent.model
         self.use_chat_template = (
             gen.use_chat_template if gen.use_chat_template is not None else bool(self.tokenizer.chat_template)
         )
@@ -64,29 +94,21 @@ class AgentTrainer:
         temperature = request.temperature or gen.temperature
         prompts = [self.encode_prompt(p) for p in request.prompts]
         prompt_ids, prompt_mask = _left_pad([ids for ids, _ in prompts], self.tokenizer.pad_token_id, self.device)
-        config = GenerationConfig(
-            do_sample=True, temperature=temperature, top_p=gen.top_p, top_k=gen.top_k,  # top_k=0: no top-k
-            max_new_tokens=request.max_completion_length or gen.max_completion_length,
-            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
-            return_dict_in_generate=True, output_logits=True,
-        )
-        self.model.eval()
-        with _seeded(request.seed, self.device), torch.inference_mode():
-            out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
-            completion_ids = out.sequences[:, prompt_ids.size(1):]  # (B, T)
-            completion_mask = losses.completion_mask_from_ids(completion_ids, self.tokenizer.eos_token_id)
-            # log-probs from the raw logits generate already computed: no second forward pass
-            logits = torch.stack(out.logits, dim=1).float() / temperature  # (B, T, V)
-            per_token_logps = losses.selective_log_softmax(logits, completion_ids)  # (B, T)
+        generator = torch.Generator(self.device).manual_seed(request.seed)
+        with torch.inference_mode(), self._autocast():
+            completion_ids, lengths, per_token_logps = sampling.sample(
+                self.model, prompt_ids, prompt_mask, temperature=temperature, top_k=gen.top_k, top_p=gen.top_p,
+                max_new_tokens=request.max_completion_length or gen.max_completion_length,
+                stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id, generator=generator)
+        completion_ids, lengths, per_token_logps = completion_ids.tolist(), lengths.tolist(), per_token_logps.tolist()
         completions = []
         for i, (ids, truncated) in enumerate(prompts):
-            n = int(completion_mask[i].sum())
-            row = completion_ids[i, :n].tolist()
-            stopped = n > 0 and row[-1] == self.tokenizer.eos_token_id
+            row = completion_ids[i][:lengths[i]]
+            stopped = row[-1] in self.stop_ids
             completions.append(Completion(
                 text=self.tokenizer.decode(row[:-1] if stopped else row, skip_special_tokens=True),
-                prompt_ids=ids, completion_ids=row, per_token_logps=per_token_logps[i, :n].tolist(),
-                finish_reason="stop" if stopped else "length", prompt_truncated=truncated,
+                prompt_ids=ids, completion_ids=row, per_token_logps=per_token_logps[i][:lengths[i]],
+                finish_reason="stop" if stopped else "length", prompt_truncated=truncated, temperature=temperature,
             ))
         return GenerateResult(agent=self.name, completions=completions, seconds=time.perf_counter() - start)
 
@@ -105,75 +127,103 @@ class AgentTrainer:
     # -------------------------------------------------------------------------------------- update
     def update(self, request: UpdateRequest) -> UpdateResult:
         start = time.perf_counter()
+        if not self.trainable:
+            raise ValueError(f"agent {self.name!r} is frozen (schedule.frozen): it has no optimizer and never updates")
         experiences = [e for e in request.experiences if e.completion_ids]
         if not experiences:
             raise ValueError(f"agent {self.name!r}: update needs at least one experience with completion tokens")
+        check_experiences(self.name, experiences)
         alg, mb = self.algorithm, self.agent.micro_batch_size
         if alg.num_iterations > 1 and any(e.old_per_token_logps is None for e in experiences):
             raise ValueError(f"agent {self.name!r}: num_iterations > 1 needs old_per_token_logps in every experience")
         total_tokens = float(sum(len(e.completion_ids) for e in experiences))
         total_sequences = float(len(experiences))
-        temperature = self.agent.generation.temperature
-        self.model.train()
-        stats = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "clipped": 0.0}
-        for _ in range(alg.num_iterations):
+        lr = self.agent.optimizer.lr * self._lr_factor(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        stats = dict.fromkeys(("loss", "kl", "entropy", "clipped", "mismatch", "mismatch_tokens"), 0.0)
+        grad_norms, skipped = [], 0
+        for iteration in range(alg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
+            finite = True
             for i in range(0, len(experiences), mb):
-                batch = _collate(experiences[i:i + mb], self.tokenizer.pad_token_id, self.device)
-                prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, old = batch
-                logits = self._completion_logits(self.model, prompt_ids, prompt_mask, completion_ids,
-                                                 completion_mask, temperature)  # (B, T, V)
+                batch = _collate(experiences[i:i + mb], self.tokenizer.pad_token_id, self.agent.generation.temperature,
+                                 self.device)
+                prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, old, temperatures = batch
+                logits = self._sampling_logits(self.model, batch)  # (B, T, V)
                 per_token_logps = losses.selective_log_softmax(logits, completion_ids)  # (B, T)
+                if iteration == 0 and old is not None:
+                    gap = (per_token_logps.detach() - old).abs() * completion_mask
+                    stats["mismatch"] += float(gap.sum())
+                    stats["mismatch_tokens"] += float(completion_mask.sum())
                 if alg.num_iterations == 1 or old is None:
                     old = per_token_logps.detach()
                 per_token_loss, clipped = losses.clipped_policy_loss(per_token_logps, old, advantages, alg.epsilon)
                 if self.ref_model is not None:
                     with torch.no_grad():
-                        ref = self._per_token_logps(self.ref_model, prompt_ids, prompt_mask, completion_ids,
-                                                    completion_mask, temperature)
+                        ref = losses.selective_log_softmax(self._sampling_logits(self.ref_model, batch), completion_ids)
                     kl = losses.kl_k3(per_token_logps, ref)  # (B, T)
                     per_token_loss = per_token_loss + alg.beta * kl
                     stats["kl"] += float((kl.detach() * completion_mask).sum())
                 loss = losses.aggregate_loss(per_token_loss, completion_mask, alg.loss_aggregation,
                                              total_tokens, total_sequences)
-                loss.backward()
+                loss_value = float(loss.detach())
+                stats["loss"] += loss_value
+                if not math.isfinite(loss_value):
+                    finite = False
+                    break
+                self.scaler.scale(loss).backward()
                 with torch.no_grad():
-                    stats["loss"] += float(loss)
                     stats["entropy"] += float((losses.entropy_from_logits(logits.detach()) * completion_mask).sum())
                     stats["clipped"] += float((clipped.float() * completion_mask).sum())
-            max_norm = self.agent.optimizer.max_grad_norm or math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-            self.optimizer.step()
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+            grad_norm = math.nan
+            if finite:
+                self.scaler.unscale_(self.optimizer)
+                max_norm = self.agent.optimizer.max_grad_norm or math.inf
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+                finite = math.isfinite(grad_norm)
+                if finite:
+                    self.scaler.step(self.optimizer)
+                self.scaler.update()
+            skipped += not finite
+            grad_norms.append(grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         n = alg.num_iterations
         return UpdateResult(
-            agent=self.name, step=self.step, loss=stats["loss"] / n, grad_norm=grad_norm,
+            agent=self.name, step=self.step, loss=stats["loss"] / n, grad_norm=sum(grad_norms) / n,
             kl=stats["kl"] / (n * total_tokens), entropy=stats["entropy"] / (n * total_tokens),
             clip_fraction=stats["clipped"] / (n * total_tokens), lr=lr, num_tokens=int(total_tokens),
-            num_sequences=len(experiences), seconds=time.perf_counter() - start,
+            num_sequences=len(experiences), seconds=time.perf_counter() - start, skipped_steps=skipped,
+            logp_mismatch=stats["mismatch"] / stats["mismatch_tokens"] if stats["mismatch_tokens"] else None,
         )
 
     def per_token_logps(self, experiences: list[Experience]) -> list[list[float]]:
-        """Current log-probs of each experience's completion tokens (no gradient)."""
-        prompt_ids, prompt_mask, completion_ids, completion_mask, _, _ = _collate(
-            experiences, self.tokenizer.pad_token_id, self.device)
-        self.model.eval()
+        """Current log-probs of each experience's completion tokens under the sampling distribution (no gradient)."""
+        batch = _collate(experiences, self.tokenizer.pad_token_id, self.agent.generation.temperature, self.device)
         with torch.no_grad():
-            logps = self._per_token_logps(self.model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                          self.agent.generation.temperature)
+            logps = losses.selective_log_softmax(self._sampling_logits(self.model, batch), batch[2])
         return [logps[i, :len(e.completion_ids)].tolist() for i, e in enumerate(experiences)]
 
     # ---------------------------------------------------------------------------------- save/load
     def save(self, path: str | Path) -> CheckpointInfo:
-        """Weights in HF format under `path/model`; optimizer, scheduler, step and RNGs in `path/trainer_state.pt`."""
+        """Weights in HF format under `path/model`; optimizer, loss scale, update count and RNGs in
+        `path/trainer_state.pt`. A frozen agent whose weights are its source's writes only where they come from."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        if not self.trainable and not self.from_checkpoint:
+            (path / FROZEN_MARKER).write_text(json.dumps(
+                {"model": self.agent.model, "fingerprint": source_fingerprint(self.agent.model)}))
+            return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
+        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
+        if bad:
+            raise ValueError(f"agent {self.name!r}: {len(bad)} weight tensors are not finite (first: {bad[0]}); "
+                             "refusing to write a checkpoint from them; the last good checkpoint stays the newest")
         self.model.save_pretrained(path / "model")
         self.tokenizer.save_pretrained(path / "model")
         torch.save({
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step,
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "scaler": self.scaler.state_dict() if self.optimizer else None, "step": self.step,
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         }, path / "trainer_state.pt")
@@ -181,13 +231,23 @@ class AgentTrainer:
 
     def load(self, path: str | Path) -> CheckpointInfo:
         path = Path(path)
-        dtype = self.model.dtype
-        self.model = AutoModelForCausalLM.from_pretrained(path / "model", dtype=dtype).to(self.device)
-        self._make_optimizer()
+        marker = path / FROZEN_MARKER
+        if marker.exists():  # saved frozen: the weights are agent.model's, loaded at start
+            saved = json.loads(marker.read_text())
+            if saved["model"] != self.agent.model or saved["fingerprint"] != source_fingerprint(self.agent.model):
+                raise ValueError(
+                    f"agent {self.name!r} is frozen and its checkpoint {path} refers to {saved['model']!r}, which "
+                    f"has changed since (now {self.agent.model!r}); restore those weights or start a new run")
+            return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
+        self.model = AutoModelForCausalLM.from_pretrained(path / "model", dtype=self.model.dtype).to(self.device).eval()
+        self.from_checkpoint = True
         state = torch.load(path / "trainer_state.pt", weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        if self.trainable:
+            self._make_optimizer()
+            if state.get("optimizer") is not None:  # None: saved while frozen; a fresh optimizer starts here
+                self.optimizer.load_state_dict(state["optimizer"])
+                self.scaler.load_state_dict(state["scaler"])
         rng = state["rng"]
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
@@ -211,49 +271,46 @@ class AgentTrainer:
             [p for p in self.model.parameters() if p.requires_grad], lr=opt.lr, betas=opt.betas,
             weight_decay=opt.weight_decay, fused=True,  # fused kernels on CPU and GPU: ~5x faster steps on CPU
         )
-        warmup, total, kind = opt.warmup_steps, self.total_updates, opt.lr_schedule
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.compute_dtype == torch.float16)
 
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            if kind == "linear":
-                return 1.0 - progress
-            if kind == "cosine":
-                return 0.5 * (1.0 + math.cos(math.pi * progress))
-            return 1.0
+    def _lr_factor(self, step: int) -> float:
+        """Multiplier of the base learning rate at update `step` (0-based) of `total_updates`."""
+        opt, total = self.agent.optimizer, self.total_updates
+        if step < opt.warmup_steps:
+            return (step + 1) / (opt.warmup_steps + 1)
+        progress = min(1.0, (step - opt.warmup_steps) / max(1, total - opt.warmup_steps))
+        if opt.lr_schedule == "linear":
+            return 1.0 - progress
+        if opt.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
 
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+    def _autocast(self):
+        """Compute in agent.dtype over float32 master weights (trainable agents); frozen ones hold agent.dtype."""
+        if self.compute_dtype == torch.float32 or not self.trainable:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
-    @staticmethod
-    def _completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
-        """(B, T, V) logits that predict each completion token, divided by the sampling temperature."""
+    def _sampling_logits(self, model, batch) -> torch.Tensor:
+        """(B, T, V) logits of the sampling distribution at each completion token (float32, -inf outside
+        the top-k / top-p set, each row divided by its own temperature)."""
+        prompt_ids, prompt_mask, completion_ids, completion_mask, _, _, temperatures = batch
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
         T = completion_ids.size(1)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=T + 1).logits  # (B, T + 1, V)
-        return logits[:, :-1, :].float() / temperature
-
-    def _per_token_logps(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
-        logits = self._completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
-        return losses.selective_log_softmax(logits, completion_ids)  # (B, T)
+        with self._autocast():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           logits_to_keep=T + 1).logits  # (B, T + 1, V)
+        gen = self.agent.generation
+        return sampling.sampling_logits(logits[:, :-1, :].float(), temperatures.view(-1, 1, 1), gen.top_k, gen.top_p,
+                                        keep=completion_ids)
 
 
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-@contextlib.contextmanager
-def _seeded(seed: int, device: torch.device):
-    """Seed torch's sampling for one call without disturbing the trainer's own RNG stream."""
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        yield
 
 
 def _left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,12 +334,14 @@ def _right_pad(rows: list[list[float]], pad, dtype, device) -> tuple[torch.Tenso
     return values.to(device), mask.to(device)
 
 
-def _collate(experiences: list[Experience], pad: int, device):
-    """Left-padded prompts, right-padded completions, their masks, (B,) advantages, old log-probs or None."""
+def _collate(experiences: list[Experience], pad: int, temperature: float, device):
+    """Left-padded prompts, right-padded completions, their masks, (B,) advantages, old log-probs or None,
+    and (B,) sampling temperatures (`temperature` where an experience carries none)."""
     prompt_ids, prompt_mask = _left_pad([e.prompt_ids for e in experiences], pad, device)
     completion_ids, completion_mask = _right_pad([e.completion_ids for e in experiences], pad, torch.long, device)
     advantages = torch.tensor([e.advantage for e in experiences], dtype=torch.float32, device=device)
+    temperatures = torch.tensor([e.temperature or temperature for e in experiences], dtype=torch.float32, device=device)
     old = None
     if all(e.old_per_token_logps is not None for e in experiences):
         old, _ = _right_pad([e.old_per_token_logps for e in experiences], 0.0, torch.float32, device)
-    return prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, old
+    return prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, old, temperatures

@@ -23,7 +23,9 @@ from orchestrator.runlog import CHECKPOINT_DONE, RunLog, checkpoint_problem
 from orchestrator.schedule import RoleAssignment, Schedule
 from protocols.config import RunConfig, load_config
 from protocols.imports import import_object
-from protocols.messages import Completion, Experience, GenerateRequest, Prompt, UpdateRequest, UpdateResult
+from protocols.messages import (
+    Completion, Experience, GenerateRequest, Prompt, UpdateRequest, UpdateResult, check_experiences,
+)
 
 
 @dataclass
@@ -35,8 +37,8 @@ class CoordinatorState:
     episodes: int = 0
     """Episodes played: the next episode's index, which per-episode role rotation follows."""
     data: DataPosition = field(default_factory=DataPosition)
-    baselines: dict[str, float] = field(default_factory=dict)
-    """EMA return baseline per role (algorithm.baseline == "ema")."""
+    baselines: dict[str, dict[str, float]] = field(default_factory=dict)
+    """EMA return baseline per agent, then per role (algorithm.baseline == "ema")."""
 
 
 class Coordinator:
@@ -55,6 +57,7 @@ class Coordinator:
         self.stop_requested = False
         self._owns_ray = False
         self._seconds = defaultdict(float)
+        self._warned: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------------------ start / stop
     def __enter__(self) -> Coordinator:
@@ -65,6 +68,9 @@ class Coordinator:
         self.close()
 
     def start(self) -> None:
+        """Start the trainers (and Ray when enabled); a started coordinator stays as it is."""
+        if self.trainers is not None:
+            return
         if self.config.ray.enabled:
             from agent_trainer.actor import init_ray
 
@@ -112,12 +118,24 @@ class Coordinator:
         return {a: r.completions for a, r in results.items()}
 
     def train(self, experiences: dict[str, list[Experience]]) -> dict[str, UpdateResult]:
-        """Update each named agent on its experiences now, all agents at once."""
+        """Update each named agent on its experiences now, all agents at once. Every experience is checked
+        first: a non-finite advantage or log-prob stops the call before any agent trains."""
+        for agent, exps in experiences.items():
+            check_experiences(agent, exps)
         start = time.perf_counter()
         requests = {a: {"request": UpdateRequest(experiences=e)} for a, e in experiences.items() if e}
         results = self.trainers.call("update", requests, timeout=self.config.train.call_timeout_s)
         self._seconds["update"] += time.perf_counter() - start
+        for agent, result in results.items():
+            if result.skipped_steps:
+                self.warn_once(agent, "nonfinite", f"agent {agent!r}: an update's loss or gradient was not finite at "
+                               f"update {result.step}; that optimizer step was skipped (counted in skipped_steps/{agent})")
         return results
+
+    def warn_once(self, agent: str, kind: str, message: str) -> None:
+        if (agent, kind) not in self._warned:
+            self._warned.add((agent, kind))
+            say(message)
 
     def play(self, samples: list[dict[str, Any]]) -> list[rollout.Episode]:
         """`num_generations` episodes per sample, with the configured role assignment."""
@@ -156,6 +174,9 @@ class Coordinator:
                 raise FileNotFoundError(f"checkpoint {candidate} cannot be loaded: {problem}; no older one is left")
             say(f"checkpoint {candidate.name} is damaged ({problem}); falling back to {candidates[i + 1].name}")
         raw = json.loads((candidate / CHECKPOINT_DONE).read_text())
+        if not all(isinstance(v, dict) for v in raw["baselines"].values()):
+            raise ValueError(f"checkpoint {candidate} keeps EMA baselines per role (an older format); they are now kept "
+                             "per agent and role: start the run anew")
         self.state = CoordinatorState(step=raw["step"], episodes=raw["episodes"], data=DataPosition(**raw["data"]),
                                       baselines=raw["baselines"])
         self.log.truncate_after(self.state.step)
@@ -203,11 +224,17 @@ class Coordinator:
                 # advantages
                 experiences = experiences_by_agent(episodes, self.config.algorithm, self.state.baselines)
                 # update: the scheduled agents only; the others' experiences are dropped (on-policy)
-                training = [a for a in self.schedule.training_agents(self.state.step) if a in experiences]
+                scheduled = self.schedule.training_agents(self.state.step)
+                training = [a for a in scheduled if a in experiences]
                 results = self.train({a: experiences[a] for a in training})
                 self.state.step += 1
                 # log
                 metrics = step_metrics(self.state.step, episodes, results, self._seconds, time.perf_counter() - start)
+                for agent in sorted(set(scheduled) - set(training)):
+                    metrics[f"no_experiences/{agent}"] = 1
+                    self.warn_once(agent, "idle", f"agent {agent!r} is scheduled to train but got no experiences at "
+                                   f"step {self.state.step} (no role it holds was prompted); its update is skipped "
+                                   f"(counted in no_experiences/{agent})")
                 if failed_at is not None:
                     metrics["time/recovery"], failed_at = time.perf_counter() - failed_at, None
                 if self.log is not None:
@@ -265,8 +292,10 @@ def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, 
         values = [float(e.info[key]) for e in episodes if key in e.info]
         metrics[f"episode/{key}"] = statistics.fmean(values)
     for agent, r in sorted(results.items()):
-        for name in ("loss", "kl", "grad_norm", "entropy", "clip_fraction", "lr"):
+        for name in ("loss", "kl", "grad_norm", "entropy", "clip_fraction", "lr", "skipped_steps"):
             metrics[f"{name}/{agent}"] = getattr(r, name)
+        if r.logp_mismatch is not None:
+            metrics[f"logp_mismatch/{agent}"] = r.logp_mismatch
         metrics[f"tokens/{agent}"] = r.num_tokens
     generate_s, update_s = seconds.get("generate", 0.0), seconds.get("update", 0.0)
     metrics.update({"time/step": step_seconds, "time/generate": generate_s, "time/update": update_s,

@@ -33,9 +33,9 @@ class GenerationConfig(_Strict):
     temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature; log-probs are computed at the same temperature."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass; log-probs (behaviour and trained) are those of the truncated, renormalised distribution."""
     top_k: int = Field(0, ge=0)
-    """Sample among the k most likely tokens; 0 disables."""
+    """Sample among the k most likely tokens (applied before top_p); 0 disables."""
     use_chat_template: bool | None = None
     """Wrap prompts in the tokenizer's chat template; None: when the tokenizer has one."""
 
@@ -68,7 +68,8 @@ class AgentConfig(_Strict):
     tokenizer: str | None = None
     """Tokenizer path or hub id; None: the model's."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights dtype."""
+    """Compute dtype. A trainable agent keeps float32 master weights and optimizer state and computes in this
+    dtype under autocast (float16 with loss scaling); a frozen agent stores its weights in it."""
     micro_batch_size: int = Field(16, ge=1)
     """Sequences per forward/backward in an update; gradients accumulate over micro-batches."""
     generation: GenerationConfig = GenerationConfig()
@@ -113,13 +114,14 @@ class AlgorithmConfig(_Strict):
     discount: float = Field(1.0, ge=0.0, le=1.0)
     """Return of turn t: sum over k >= t of discount**(k - t) * reward_k."""
     baseline: Literal["group", "ema"] = "group"
-    """`group`: minus the group mean (GRPO). `ema`: minus an EMA of returns per role (SPIRAL's RAE)."""
-    group_by: Literal["agent", "agent_turn"] = "agent"
-    """Group members share sample, agent and (for `agent_turn`) turn index."""
+    """`group`: minus the group mean (GRPO). `ema`: minus an EMA of returns per (agent, role) (SPIRAL's RAE)."""
+    group_by: Literal["agent_role_turn", "agent_role", "agent_turn", "agent"] = "agent_role_turn"
+    """Which actions of one sample's episodes are compared: same agent, role and turn (like with like), or the
+    wider pools `agent_role` (all turns of a role), `agent_turn` (all roles at a turn), `agent` (everything)."""
     scale_rewards: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False: Dr. GRPO."""
     ema_decay: float = Field(0.95, ge=0.0, lt=1.0)
-    """Decay of the per-role EMA baseline."""
+    """Decay of the per-(agent, role) EMA baseline, per return folded in."""
     beta: float = Field(0.0, ge=0.0)
     """Weight of the k3 KL to the frozen initial model; 0 loads no reference model."""
     epsilon: float = Field(0.2, gt=0.0)
@@ -250,6 +252,15 @@ class RunConfig(_Strict):
             raise ValueError(
                 f"train.num_generations: group-relative advantages need at least 2 episodes per group "
                 f"(got {self.train.num_generations}); set train.num_generations >= 2 or algorithm.baseline=ema"
+            )
+        seatings = len(self.roles.cycle) if self.roles.cycle else len(self.roles.assignment)
+        if (self.algorithm.baseline == "group" and self.roles.rotation == "per_episode" and seatings > 1
+                and "role" in self.algorithm.group_by and self.train.num_generations // seatings < 2):
+            raise ValueError(
+                f"train.num_generations: with roles.rotation per_episode over {seatings} seatings, each (agent, role) "
+                f"group of a sample gets num_generations / {seatings} episodes, fewer than 2 with "
+                f"num_generations={self.train.num_generations}; set train.num_generations to a multiple of "
+                f"{seatings} that is at least {2 * seatings}"
             )
         return self
 

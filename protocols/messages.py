@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from protocols.errors import UserError
 
 ChatMessage = dict[str, str]
 Prompt = str | list[ChatMessage]
@@ -20,7 +23,7 @@ class GenerateRequest(_Message):
     """One prompt per completion wanted; repeat a prompt for several samples of it."""
     seed: int
     """Seeds the sampling, so a request replays exactly."""
-    max_completion_length: int | None = None
+    max_completion_length: int | None = Field(None, ge=1)
     """Overrides the agent's setting for this request."""
     temperature: float | None = Field(None, gt=0.0)
     """Overrides the agent's setting for this request."""
@@ -34,11 +37,13 @@ class Completion(_Message):
     completion_ids: list[int]
     """Sampled tokens, the end-of-sequence token included when sampled; no padding."""
     per_token_logps: list[float]
-    """Log-probability of each completion token under the sampling policy."""
+    """Log-probability of each completion token under the distribution it was sampled from (behaviour log-probs)."""
     finish_reason: Literal["stop", "length"]
     """`stop`: ended with end-of-sequence; `length`: hit max_completion_length."""
     prompt_truncated: bool = False
     """The prompt was longer than max_prompt_length and lost its start."""
+    temperature: float | None = None
+    """Sampling temperature the completion was drawn at; None: the agent's generation.temperature."""
 
 
 class GenerateResult(_Message):
@@ -53,12 +58,44 @@ class Experience(_Message):
     advantage: float
     """Scalar advantage given to every token of this completion."""
     old_per_token_logps: list[float] | None = None
-    """Log-probs at sampling time; used for the importance ratio when num_iterations > 1."""
+    """Behaviour log-probs (at sampling time); the importance ratio's denominator when num_iterations > 1."""
+    temperature: float | None = Field(None, gt=0.0)
+    """Temperature the completion was sampled at; the update divides the logits by it. None: the agent's."""
 
     @classmethod
     def from_completion(cls, completion: Completion, advantage: float) -> Experience:
         return cls(prompt_ids=completion.prompt_ids, completion_ids=completion.completion_ids,
-                   advantage=advantage, old_per_token_logps=completion.per_token_logps)
+                   advantage=advantage, old_per_token_logps=completion.per_token_logps,
+                   temperature=completion.temperature)
+
+    def problem(self) -> str | None:
+        """Why this experience must not be trained on (a non-finite number, a length mismatch), or None."""
+        if not math.isfinite(self.advantage) or abs(self.advantage) > _FLOAT32_MAX:
+            return f"advantage is {self.advantage}"
+        logps = self.old_per_token_logps
+        if logps is not None:
+            if len(logps) != len(self.completion_ids):
+                return f"old_per_token_logps has {len(logps)} values for {len(self.completion_ids)} completion tokens"
+            for i, value in enumerate(logps):
+                if not math.isfinite(value):
+                    return f"old_per_token_logps[{i}] is {value}"
+        return None
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+class ExperienceError(UserError, ValueError):
+    """An experience that would corrupt the weights; the message names the agent and the experience."""
+
+
+def check_experiences(agent: str, experiences: list[Experience]) -> None:
+    """Raise one ExperienceError line for the first experience with a non-finite advantage or log-prob."""
+    for i, experience in enumerate(experiences):
+        problem = experience.problem()
+        if problem is not None:
+            raise ExperienceError(f"agent {agent!r}: experience {i}: {problem}; advantages and log-probs must be "
+                                  "finite (a group with equal rewards has std 0: add an epsilon to the divisor)")
 
 
 class UpdateRequest(_Message):
@@ -70,14 +107,22 @@ class UpdateResult(_Message):
     step: int
     """The agent's update count after this update."""
     loss: float
+    """Mean over the `num_iterations` passes."""
     grad_norm: float
+    """Global gradient norm before clipping, mean over the passes (nan when a pass's gradient was not finite)."""
     kl: float
     entropy: float
+    """Mean per-token entropy of the sampling distribution (temperature, top-k, top-p applied)."""
     clip_fraction: float
     lr: float
     num_tokens: int
     num_sequences: int
     seconds: float
+    logp_mismatch: float | None = None
+    """Mean |log pi(token) - behaviour log-prob| over tokens at the first pass: how far the trained policy is
+    from the one that sampled (numerics, precision, a stale engine). None without behaviour log-probs."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped because the loss or the gradient was not finite; the weights did not move."""
 
 
 class CheckpointInfo(_Message):

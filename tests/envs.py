@@ -14,14 +14,16 @@ HERE = Path(__file__).resolve().parent
 
 class LetterEnv(Environment):
     """Every role is asked for the sample's letter on each of `turns` turns; shared reward: fraction right.
-    With `zero_sum`, the first role gets +1 / -1 when it alone is right / wrong, the others the opposite."""
+    With `zero_sum`, the first role gets +1 / -1 when it alone is right / wrong, the others the opposite.
+    Roles in `silent` are seated but never prompted."""
 
-    def __init__(self, roles=("x",), turns=1, zero_sum=False):
+    def __init__(self, roles=("x",), turns=1, zero_sum=False, silent=()):
         self.possible_agents, self.max_turns, self.zero_sum = list(roles), turns, zero_sum
+        self.acting = [r for r in self.possible_agents if r not in silent]
 
     def reset(self, sample, seed=None):
         self.target, self.turn, self.hits = sample["target"], 0, 0
-        return {r: f"Say {self.target}" for r in self.possible_agents}
+        return {r: f"Say {self.target}" for r in self.acting}
 
     def step(self, actions):
         right = {r: text[:1] == self.target for r, text in actions.items()}
@@ -35,7 +37,7 @@ class LetterEnv(Environment):
         else:
             reward = sum(right.values()) / len(right)
         done = self.turn >= self.max_turns
-        prompts = {} if done else {r: f"Say {self.target}" for r in self.possible_agents}
+        prompts = {} if done else {r: f"Say {self.target}" for r in self.acting}
         return StepResult(prompts=prompts, reward=reward, terminated=done, infos=infos)
 
     def episode_info(self):

@@ -69,6 +69,8 @@ CASES = {
                                  "roles.assignment: agent 'zed' is not defined"),
     "schedule_names_unknown_agent": (run(setter("schedule.frozen", ["zed"])), "schedule.frozen: agent 'zed'"),
     "one_generation_per_group": (run(setter("train.num_generations", 1)), "set train.num_generations >= 2"),
+    "rotation_leaves_groups_of_one": (run(setter("roles.rotation", "per_episode")),
+                                      "each (agent, role) group of a sample gets num_generations / 2 episodes"),
     "bad_override": (run(None, "train.steps"), "expected dotted.key=value"),
     "model_path_missing": (run(setter("agents.a.model", "/no/such/model")),
                            "agent 'a' could not start: OSError: cannot load model '/no/such/model'"),

@@ -76,6 +76,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
 def test_validate_prints_schedule_and_roles(tmp_path):
     raw = config(schedule={"kind": "alternate"}, roles={"r0": "a", "r1": "b"})
     raw["roles"]["rotation"] = "per_episode"
+    raw["train"]["num_generations"] = 4  # two episodes per seating in each sample's group
     out = marsi("validate", write(tmp_path, raw), "--steps", "2")
     assert out.returncode == 0, out.stderr
     assert "step 0: trains a" in out.stdout and "step 1: trains b" in out.stdout

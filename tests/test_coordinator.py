@@ -71,7 +71,8 @@ def test_same_seed_same_metrics_with_ray_on_and_off(ray_cluster):
 
 def test_rotation_per_episode_and_per_turn(tmp_path):
     def seats(rotation, turns):
-        raw = config(roles={"r0": "a", "r1": "b"}, turns=turns, train={"steps": 1, "transcripts_per_step": 100})
+        raw = config(roles={"r0": "a", "r1": "b"}, turns=turns,
+                     train={"steps": 1, "transcripts_per_step": 100, "batch_size": 1, "num_generations": 4})
         raw["roles"] = {"assignment": {"r0": "a", "r1": "b"}, "rotation": rotation}
         run(raw, tmp_path / rotation)
         rows = [json.loads(line) for line in (tmp_path / rotation / "transcripts.jsonl").read_text().splitlines()]

@@ -23,11 +23,11 @@ CASES = {
     "tictactoe/eval_random.yaml": (
         {"steps": 1}, [], [[]],
         ["episode/win", "episode/draw", "episode/loss", "episode/legal_move_rate"]),
-    "rsi/config.yaml": (
-        {"steps": 2}, ["schedule.period=1"], [["alice"], ["bob"]],
+    "rsi/config.yaml": (  # per-episode seats: 4 episodes give each (agent, role) group two
+        {"steps": 2, "batch_size": 1, "num_generations": 4}, ["schedule.period=1"], [["alice"], ["bob"]],
         ["episode/valid_problem", "episode/solver_correct", "loss/alice", "loss/bob"]),
     "rsi/verifier.yaml": (  # one step, all three agents at once: keeps the test short
-        {"steps": 1, "batch_size": 1, "num_generations": 3}, ["schedule.kind=simultaneous"],
+        {"steps": 1, "batch_size": 1, "num_generations": 6}, ["schedule.kind=simultaneous"],
         [["alice", "bob", "carol"]],
         ["episode/valid_problem", "episode/solver_correct", "episode/verifier_correct", "loss/carol"]),
     "debate/config.yaml": (

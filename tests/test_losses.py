@@ -15,19 +15,6 @@ def test_masked_mean_ignores_masked_values():
     assert losses.masked_mean(values, mask, dim=1).tolist() == pytest.approx([1.5, 3.0])
 
 
-def test_completion_mask_keeps_first_eos_and_drops_padding_after_it():
-    eos, pad = 9, 0
-    ids = torch.tensor([
-        [5, 6, eos, pad, pad],   # stopped: EOS counts, padding after it does not
-        [5, eos, eos, pad, pad],  # only the first EOS counts
-        [5, 6, 7, 8, 4],          # hit the length limit: every token counts
-        [eos, pad, pad, pad, pad],  # empty answer: the EOS alone
-    ])
-    assert losses.completion_mask_from_ids(ids, eos).tolist() == [
-        [1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0],
-    ]
-
-
 def test_group_relative_advantages_by_hand():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0])
     groups = torch.tensor([7, 7, 3, 3, 5])
@@ -44,11 +31,14 @@ def test_discounted_returns_by_hand():
 
 
 def test_ema_baseline_by_hand():
-    adv, b = losses.ema_update(None, [1.0, 0.0], decay=0.5)
-    assert adv == pytest.approx([0.0, -1.0])  # baseline starts at the first return
-    assert b == pytest.approx(0.5 * (0.5 * 1.0 + 0.5 * 1.0) + 0.5 * 0.0)
-    adv, b2 = losses.ema_update(b, [1.0], decay=0.5)
+    adv, b = losses.ema_advantages(0.0, [1.0, 0.0], decay=0.5)
+    assert adv == pytest.approx([1.0, 0.0])  # every return against the baseline from before the batch
+    assert b == pytest.approx(0.25 * 0.0 + 0.75 * 0.5)  # decay**2 on the old baseline, the rest on the batch mean
+    adv, b2 = losses.ema_advantages(b, [1.0], decay=0.5)
     assert adv == pytest.approx([1.0 - b]) and b2 == pytest.approx(0.5 * b + 0.5)
+    _, one_order = losses.ema_advantages(0.3, [2.0, -1.0, 0.5], 0.9)
+    _, other_order = losses.ema_advantages(0.3, [0.5, 2.0, -1.0], 0.9)
+    assert one_order == pytest.approx(other_order)
 
 
 def test_selective_log_softmax_matches_full_log_softmax():
@@ -104,9 +94,7 @@ def test_token_loss_over_micro_batches_equals_one_batch():
 
 
 def test_padding_after_eos_gets_no_gradient_and_last_token_does():
-    eos = 9
-    completion_ids = torch.tensor([[4, eos, 0, 0]])
-    mask = losses.completion_mask_from_ids(completion_ids, eos)
+    mask = torch.tensor([[1, 1, 0, 0]])  # a completion of two tokens, the last its EOS, then padding
     logp = torch.zeros(1, 4, requires_grad=True)
     per_token, _ = losses.clipped_policy_loss(logp, logp.detach(), torch.tensor([1.0]), 0.2)
     losses.aggregate_loss(per_token, mask, "token", float(mask.sum()), 1).backward()
