@@ -107,7 +107,7 @@ def marsi_config(*, num_agents: int = 2, model: str = "builtin:tiny", batch_size
         "data": {"factory": "bench_common:make_dataset", "shuffle": False,
                  "kwargs": {"n": dataset_size or steps * batch_size, "seed": seed}},
         "schedule": {"kind": "simultaneous"},
-        "algorithm": {"baseline": "group", "group_by": "agent", "scale_rewards": True, "beta": 0.0,
+        "algorithm": {"baseline": "group", "scale_rewards": True, "beta": 0.0,
                       "num_iterations": 1, "loss_aggregation": "sequence"},
         "train": {"steps": steps, "batch_size": batch_size, "num_generations": group, "seed": seed,
                   "checkpoint_every": 0, "transcripts_per_step": 0, "progress": False},

@@ -5,9 +5,9 @@
 
 One agent, the bench_common prompts, `--batch` prompts per call (as one marsi trainer gets them in
 vs_comlrl.py: 8 samples x 4 episodes), one untimed warm-up call; totals are medians over repeats.
-generate = transformers' model.generate + the log-prob forward pass over prompt + completion that
-AgentTrainer.generate runs after sampling (its `_per_token_logps`) + prompt tokenisation + the rest
-(padding, decoding, Completion messages). update = the forward that recomputes log-probs, backward,
+generate = the decode loop (`agent_trainer.sampling.sample`: forward passes with the KV cache, sampling,
+the sampled tokens' log-probs) + prompt tokenisation + the rest (padding, decoding, Completion
+messages). update = the forward that recomputes log-probs (`_sampling_logits`), backward,
 optimizer.step, and the rest (collation, loss, statistics). `--adamw` also times one AdamW step over
 the model's parameters with torch's default (for-loop) implementation, foreach=True and fused=True.
 """
@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import bench_common as bc  # noqa: E402
+from agent_trainer import sampling  # noqa: E402
 from agent_trainer.trainer import AgentTrainer  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
 
@@ -64,13 +64,11 @@ def main() -> None:
 
         setattr(owner, name, timed)
 
-    wrap(trainer.model, "generate", "generate/model.generate")
-    wrap(trainer, "_per_token_logps", "generate/log-prob forward", only_in="generate")
+    wrap(sampling, "sample", "generate/decode loop")
     wrap(trainer, "encode_prompt", "generate/prompt tokenisation")
-    wrap(trainer, "_completion_logits", "update/forward", only_in="update")
+    wrap(trainer, "_sampling_logits", "update/forward", only_in="update")
     wrap(torch.Tensor, "backward", "update/backward")
     wrap(trainer.optimizer, "step", "update/optimizer.step")
-    warnings.filterwarnings("ignore", message="Seems like `optimizer.step()` has been overridden")
 
     prompts = [bc.role_prompt(0, bc.LETTERS[i % 4]) for i in range(args.batch)]
     rows = defaultdict(list)
@@ -94,7 +92,7 @@ def main() -> None:
         rows["generate/rest"].append(generate_s - sum(v for k, v in spent.items() if k.startswith("generate/")))
         rows["update/rest"].append(update_s - sum(v for k, v in spent.items() if k.startswith("update/")))
 
-    order = ["generate", "generate/model.generate", "generate/log-prob forward", "generate/prompt tokenisation",
+    order = ["generate", "generate/decode loop", "generate/prompt tokenisation",
              "generate/rest", "update", "update/forward", "update/backward", "update/optimizer.step", "update/rest"]
     step = statistics.median(rows["generate"]) + statistics.median(rows["update"])
     print(f"{'part':32s} {'seconds':>8s} {'of call':>8s} {'of gen+upd':>10s}")
