@@ -140,6 +140,20 @@ def test_bfloat16_agents_keep_fp32_master_weights_so_small_updates_are_not_round
     assert changed["bfloat16"] == pytest.approx(changed["float32"], abs=0.01)
 
 
+def test_float16_agents_train_with_loss_scaling_over_fp32_master_weights():
+    norms = {}
+    for dtype in ("float32", "float16"):
+        trainer = make_trainer(dtype=dtype)
+        result = trainer.generate(GenerateRequest(prompts=["Say a", "Say b"] * 4, seed=1))
+        before = trainer.parameters_digest()
+        metrics = trainer.update(UpdateRequest(experiences=experiences(result.completions, [1.0, -1.0] * 4)))
+        assert metrics.skipped_steps == 0 and trainer.parameters_digest() != before
+        assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+        norms[dtype] = metrics.grad_norm
+    assert trainer.scaler.is_enabled() and trainer.scaler.get_scale() > 1  # the gradient was scaled ...
+    assert norms["float16"] == pytest.approx(norms["float32"], rel=0.05)  # ... and unscaled before clipping
+
+
 def test_frozen_bfloat16_agent_stores_bfloat16_weights():
     trainer = make_trainer(dtype="bfloat16", trainable=False)
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
