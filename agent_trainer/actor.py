@@ -85,7 +85,13 @@ class RayTrainers:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                      placement_group_bundle_index=i),
             ).remote(name, config, i, updates[name], num_threads(agent.resources.num_cpus))
-        errors = [i["error"] for i in self.info().values() if i["error"]]  # waits until every trainer is up
+        try:  # waits until every trainer is up
+            errors = [i["error"] for i in self.info(timeout=config.train.start_timeout_s).values() if i["error"]]
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise TrainerStartError(f"trainers were not up within train.start_timeout_s="
+                                    f"{config.train.start_timeout_s:g}s after placement; raise it for large models "
+                                    "or check the trainer processes") from None
         if errors:
             self.close()
             raise TrainerStartError(errors[0])
@@ -110,9 +116,9 @@ class RayTrainers:
                 raise TrainerFailure(name, method, describe(exc.cause or exc), recoverable=False) from None
         return results
 
-    def info(self) -> dict[str, dict[str, Any]]:
+    def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
         names = list(self.actors)
-        return dict(zip(names, ray.get([self.actors[n].info.remote() for n in names])))
+        return dict(zip(names, ray.get([self.actors[n].info.remote() for n in names], timeout=timeout)))
 
     def close(self) -> None:
         for actor in self.actors.values():

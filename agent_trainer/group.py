@@ -60,7 +60,7 @@ class LocalTrainers:
                 raise TrainerFailure(name, method, describe(exc), recoverable=False) from exc
         return results
 
-    def info(self) -> dict[str, dict[str, Any]]:
+    def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
         return {name: {"pid": os.getpid(), "device": str(t.device),
                        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
                 for name, t in self.trainers.items()}

@@ -70,6 +70,23 @@ def source_fingerprint(name: str) -> dict[str, list[int]]:
             for f in sorted(path.rglob("*")) if f.is_file()}
 
 
+_SHAPE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+
+
+def architecture_mismatch(name: str, saved: str | Path) -> str | None:
+    """How model `name` differs in shape from the model saved at `saved` (what a checkpoint needs), or None."""
+    from transformers import AutoConfig
+
+    try:
+        new, old = AutoConfig.from_pretrained(resolve_model_path(name)), AutoConfig.from_pretrained(saved)
+    except (OSError, ValueError) as exc:
+        return f"its config cannot be read ({' '.join(str(exc).split())[:200]})"
+    diff = [f"{k} {getattr(new, k, None)} vs {getattr(old, k, None)}" for k in _SHAPE
+            if getattr(new, k, None) != getattr(old, k, None)]
+    return f"its architecture differs from the checkpoint's ({'; '.join(diff)})" if diff else None
+
+
 def _materialise(key: str, build) -> Path:
     """Build into a temporary directory and rename it into place, so concurrent builders never clash."""
     target = cache_dir() / "builtin" / key

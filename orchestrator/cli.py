@@ -61,7 +61,13 @@ def cmd_run(args) -> int:
 
 def cmd_resume(args) -> int:
     from orchestrator.coordinator import Coordinator
+    from orchestrator.runlog import RunLog
 
+    steps = load_config(Path(args.run_dir) / "config.yaml", args.overrides, check_imports=False).train.steps
+    if RunLog(args.run_dir).steps_done() == steps:
+        print(f"marsi: {args.run_dir} has done all its {steps} steps; to go on, give more: "
+              f"marsi resume {args.run_dir} train.steps=N", file=sys.stderr)
+        return 0
     coord = Coordinator.resume(args.run_dir, args.overrides)
     print(f"marsi: resuming {args.run_dir} at step {coord.state.step}", file=sys.stderr)
     return _train(coord, started=True)
@@ -78,10 +84,10 @@ def _train(coord, started: bool) -> int:
         print(f"marsi: {signal.Signals(signum).name}: stopping after this step with a checkpoint"
               " (Ctrl-C again aborts)", file=sys.stderr, flush=True)
 
+    if not started:
+        coord.start()  # before the handlers: starting Ray installs its own SIGTERM handler
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if not started:
-            coord.start()
         coord.run()
     finally:
         coord.close()

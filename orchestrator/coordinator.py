@@ -6,7 +6,7 @@ Its primitives (`generate`, `train`, `checkpoint`, `restore`) serve custom coord
 
 from __future__ import annotations
 
-import json
+import shutil
 import statistics
 import sys
 import time
@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from agent_trainer.group import LocalTrainers, TrainerFailure
+from agent_trainer.models import architecture_mismatch
 from orchestrator import rollout
 from orchestrator.advantages import experiences_by_agent
 from orchestrator.data import DataPosition, load_samples, next_batch
-from orchestrator.runlog import CHECKPOINT_DONE, RunLog, checkpoint_problem
+from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, read_checkpoint_state
 from orchestrator.schedule import RoleAssignment, Schedule
 from protocols.config import RunConfig, load_config
+from protocols.errors import UserError
 from protocols.imports import import_object
 from protocols.messages import (
     Completion, Experience, GenerateRequest, Prompt, UpdateRequest, UpdateResult, check_experiences,
@@ -42,10 +44,12 @@ class CoordinatorState:
 
 
 class Coordinator:
-    """`with Coordinator(config, run_dir) as coord: coord.run()`."""
+    """`with Coordinator(config, run_dir) as coord: coord.run()`. `run_dir` must hold no run yet (see
+    `Coordinator.resume` to continue one); None keeps no records and no checkpoints."""
 
-    def __init__(self, config: RunConfig, run_dir: str | Path | None = None):
+    def __init__(self, config: RunConfig, run_dir: str | Path | None = None, *, resume: bool = False):
         self.config = config
+        self.resuming = resume
         self.schedule = Schedule(config.schedule, list(config.agents))
         self.assignment = RoleAssignment(config.roles)
         self.env_cls = import_object(config.environment.name)
@@ -68,15 +72,22 @@ class Coordinator:
         self.close()
 
     def start(self) -> None:
-        """Start the trainers (and Ray when enabled); a started coordinator stays as it is."""
+        """Claim the run directory, start Ray when enabled and the trainers; a started coordinator stays
+        as it is. A new run writes its config here; a resumed one once its checkpoint is restored."""
         if self.trainers is not None:
             return
-        if self.config.ray.enabled:
-            from agent_trainer.actor import init_ray
-
-            self._owns_ray = init_ray(self.config.ray)
-        self.trainers = self._start_trainers()
         if self.log is not None:
+            self.log.claim(resume=self.resuming)
+        try:
+            if self.config.ray.enabled:
+                from agent_trainer.actor import init_ray
+
+                self._owns_ray = init_ray(self.config.ray)
+            self.trainers = self._start_trainers()
+        except BaseException:
+            self.close()
+            raise
+        if self.log is not None and not self.resuming:
             self.log.write_config(self.config)
 
     def _start_trainers(self):
@@ -96,15 +107,28 @@ class Coordinator:
 
             ray.shutdown()
             self._owns_ray = False
+        if self.log is not None:
+            self.log.release()
 
     @classmethod
     def resume(cls, run_dir: str | Path, overrides: list[str] | None = None) -> Coordinator:
-        """A started coordinator for `run_dir`, restored from its newest complete checkpoint.
-        `overrides` (dotted.key=value) change the stored config, e.g. `train.steps=200` to extend a run."""
-        config = load_config(Path(run_dir) / "config.yaml", overrides)
-        coord = cls(config, run_dir)
+        """A started coordinator for `run_dir`, restored from its newest intact checkpoint.
+        `overrides` (dotted.key=value) change the stored config, e.g. `train.steps=200` to extend a run;
+        they are checked against the checkpoint first and written to config.yaml only once it is restored."""
+        run_dir = Path(run_dir)
+        config = load_config(run_dir / "config.yaml", overrides)
+        check_resume(config, load_config(run_dir / "config.yaml", check_imports=False), RunLog(run_dir))
+        coord = cls(config, run_dir, resume=True)
         coord.start()
-        coord.restore()
+        try:
+            try:
+                coord.restore()
+            except TrainerFailure as failure:
+                coord.recover(failure)
+            coord.log.write_config(config)
+        except BaseException:
+            coord.close()
+            raise
         return coord
 
     # -------------------------------------------------------------------------------- primitives
@@ -152,57 +176,71 @@ class Coordinator:
         if step is not None:
             self.state.step = step
         staging = self.log.staging_path(self.state.step)
-        self.trainers.call("save", {a: {"path": str(staging / "agents" / a)} for a in self.config.agents})
-        state = {**asdict(self.state), "schedule_phase": self.schedule.phase(self.state.step)}
-        return self.log.commit_checkpoint(staging, self.state.step, state, self.config.train.keep_checkpoints)
+        try:
+            self.trainers.call("save", {a: {"path": str(staging / "agents" / a)} for a in self.config.agents},
+                               timeout=self.config.train.checkpoint_timeout_s)
+            state = {**asdict(self.state), "schedule_phase": self.schedule.phase(self.state.step)}
+            return self.log.commit_checkpoint(staging, self.state.step, state, self.config.train.keep_checkpoints)
+        except BaseException as exc:
+            shutil.rmtree(staging, ignore_errors=True)  # a half-written checkpoint only takes space
+            if isinstance(exc, OSError) or (isinstance(exc, TrainerFailure) and "No space left" in str(exc)):
+                raise RunDirError(self.log.disk_problem(exc)) from exc
+            raise
 
     def restore(self, path: str | Path | None = None) -> Path:
         """Load every trainer and the coordinator state from `path`; by default from the newest
-        checkpoint that is intact, falling back to older ones (and saying so) when the newest is damaged."""
+        checkpoint that is intact, falling back to older ones (and saying so) when the newest is damaged
+        (a missing, truncated or altered file). A trainer that dies or hangs while loading is a trainer
+        failure (see `recover`), not damage."""
         candidates = [Path(path)] if path is not None else list(reversed(self.log.checkpoints()))
         if not candidates:
             raise FileNotFoundError(f"{self.log.dir}: no complete checkpoint to resume from; start the run anew with marsi run")
         for i, candidate in enumerate(candidates):
             problem = checkpoint_problem(candidate)
             if problem is None:
-                try:
-                    self.trainers.call("load", {a: {"path": str(candidate / "agents" / a)} for a in self.config.agents})
-                    break
-                except TrainerFailure as failure:
-                    problem = str(failure)
+                break
             if i + 1 == len(candidates):
                 raise FileNotFoundError(f"checkpoint {candidate} cannot be loaded: {problem}; no older one is left")
             say(f"checkpoint {candidate.name} is damaged ({problem}); falling back to {candidates[i + 1].name}")
-        raw = json.loads((candidate / CHECKPOINT_DONE).read_text())
-        if not all(isinstance(v, dict) for v in raw["baselines"].values()):
-            raise ValueError(f"checkpoint {candidate} keeps EMA baselines per role (an older format); they are now kept "
-                             "per agent and role: start the run anew")
+        self.trainers.call("load", {a: {"path": str(candidate / "agents" / a)} for a in self.config.agents},
+                           timeout=self.config.train.checkpoint_timeout_s)
+        raw = read_checkpoint_state(candidate)
         self.state = CoordinatorState(step=raw["step"], episodes=raw["episodes"], data=DataPosition(**raw["data"]),
                                       baselines=raw["baselines"])
         self.log.truncate_after(self.state.step)
         return candidate
 
     def recover(self, failure: TrainerFailure) -> None:
-        """Restart every trainer and restore the last good checkpoint; raise when that cannot help."""
-        if not failure.recoverable:
-            raise failure
-        self.restarts += 1
+        """Restart every trainer and restore the last good checkpoint (before the run's first checkpoint:
+        start afresh); a failure while doing so spends another restart. Raise when that cannot help."""
         limit = self.config.train.max_restarts
-        last = self.log.latest_checkpoint() if self.log is not None else None
-        if self.restarts > limit or last is None:
-            why = f"after {limit} restarts" if last is not None else "and there is no checkpoint to restart from"
-            raise RunFailed(f"{failure}; stopping {why}; last good checkpoint: {last}") from failure
-        say(f"{failure}; restarting the trainers from {last.name} (restart {self.restarts} of {limit})")
-        self.trainers.close()
-        self.trainers = self._start_trainers()
-        self.restore()
+        while True:
+            if not failure.recoverable:
+                raise failure
+            self.restarts += 1
+            last = self.log.latest_checkpoint() if self.log is not None else None
+            fresh = last is None and self.log is not None and self.state == CoordinatorState()
+            if self.restarts > limit or (last is None and not fresh):
+                why = f"after {limit} restarts" if self.restarts > limit else "and there is no checkpoint to restart from"
+                raise RunFailed(f"{failure}; stopping {why}; last good checkpoint: {last}") from failure
+            say(f"{failure}; restarting the trainers from {last.name if last else 'their initial weights'} "
+                f"(restart {self.restarts} of {limit})")
+            try:
+                self.trainers.close()
+                self.trainers = self._start_trainers()
+                if last is not None:
+                    self.restore()
+                return
+            except TrainerFailure as again:
+                failure = again
 
     def request_stop(self) -> None:
         """Stop at the next safe point (after the current step), with a checkpoint."""
         self.stop_requested = True
 
     def parameters_digests(self) -> dict[str, str]:
-        return self.trainers.call("parameters_digest", {a: {} for a in self.config.agents})
+        return self.trainers.call("parameters_digest", {a: {} for a in self.config.agents},
+                                  timeout=self.config.train.call_timeout_s)
 
     # -------------------------------------------------------------------------------------- run
     def run(self, until: int | None = None) -> list[dict[str, Any]]:
@@ -210,8 +248,11 @@ class Coordinator:
         the metrics of the steps run here. A dead or hung trainer is restarted from the last checkpoint."""
         cfg = self.config.train
         until = cfg.steps if until is None else min(until, cfg.steps)
-        if self.log is not None and self.log.latest_checkpoint() is None:
-            self.checkpoint()  # step 0: something to restart from
+        while self.log is not None and self.log.latest_checkpoint() is None:
+            try:
+                self.checkpoint()  # step 0: something to restart from
+            except TrainerFailure as failure:
+                self.recover(failure)
         bar = _progress(self.state.step, until, cfg.progress)
         history, failed_at = [], None
         while self.state.step < until and not self.stop_requested:
@@ -245,6 +286,10 @@ class Coordinator:
                 at_end = self.state.step == cfg.steps or self.stop_requested
                 if self.log is not None and ((every and self.state.step % every == 0) or at_end):
                     self.checkpoint()
+            except OSError as exc:  # a full or read-only disk under the run directory
+                if self.log is None:
+                    raise
+                raise RunDirError(self.log.disk_problem(exc)) from exc
             except TrainerFailure as failure:
                 failed_at = time.perf_counter()
                 self.recover(failure)  # back to the last checkpoint; its later steps are replayed
@@ -257,6 +302,31 @@ class Coordinator:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", training=",".join(training) or "-")
         bar.close()
         return history
+
+
+class ResumeError(UserError, ValueError):
+    """Overrides that cannot apply to a run's checkpoints; nothing in the run directory was changed."""
+
+
+def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
+    """Refuse, before anything is touched, a resume whose config cannot continue the run's checkpoints."""
+    done = log.steps_done()
+    if done is None:
+        raise FileNotFoundError(f"{log.dir}: no complete checkpoint to resume from; start the run anew with marsi run")
+    if set(config.agents) != set(stored.agents):
+        raise ResumeError(f"{log.dir}: a resumed run keeps its agents ({', '.join(stored.agents)}); the overrides make "
+                          f"them {', '.join(config.agents)}; start a new run for other agents")
+    if config.train.steps < done:
+        raise ResumeError(f"train.steps={config.train.steps} is below the {done} steps {log.dir} has done; "
+                          f"give train.steps >= {done}")
+    checkpoint = log.latest_checkpoint()
+    for name, agent in config.agents.items():
+        saved = checkpoint / "agents" / name / "model"
+        if agent.model != stored.agents[name].model and saved.is_dir():
+            problem = architecture_mismatch(agent.model, saved)
+            if problem:
+                raise ResumeError(f"agents.{name}.model={agent.model!r}: {problem}, so the checkpoint's weights "
+                                  "cannot load into it; resume with the run's model")
 
 
 class RunFailed(RuntimeError):

@@ -172,8 +172,12 @@ class TrainConfig(_Strict):
     """Run directory; `{name}` is the config file's stem, `{time}` the start time."""
     max_restarts: int = Field(3, ge=0)
     """Times a dead or hung trainer is restarted (all trainers restored from the last checkpoint) before the run stops."""
-    call_timeout_s: float | None = Field(None, gt=0.0)
-    """A generate or update taking longer than this counts as a hung trainer; None waits forever."""
+    call_timeout_s: float | None = Field(3600.0, gt=0.0)
+    """A generate or update taking longer than this counts as a hung trainer (Ray trainers); None waits forever."""
+    checkpoint_timeout_s: float | None = Field(3600.0, gt=0.0)
+    """A trainer's save or load taking longer than this counts as a hung trainer (Ray trainers); None waits forever."""
+    start_timeout_s: float | None = Field(1800.0, gt=0.0)
+    """Trainers not up (model loaded) this long after placement fail the start (Ray trainers); None waits forever."""
     transcripts_per_step: int = Field(2, ge=0)
     """Episodes per step written whole to transcripts.jsonl."""
     progress: bool = True
