@@ -14,6 +14,7 @@ import torch
 
 from agent_trainer.losses import group_relative_advantages
 from orchestrator.coordinator import Coordinator
+from orchestrator.runlog import make_run_dir
 from protocols.config import load_config
 from protocols.messages import Experience
 
@@ -22,7 +23,7 @@ GROUP, SAMPLES = 8, 8
 config = load_config(Path(__file__).parent / "demo" / "config.yaml", ["train.progress=false"])
 rng = random.Random(0)
 
-with Coordinator(config, run_dir="runs/custom-coordinator") as coord:
+with Coordinator(config, run_dir=make_run_dir("runs/custom-coordinator-{time}", "custom")) as coord:
     for step in range(STEPS):
         targets = [rng.choice("abcd") for _ in range(SAMPLES) for _ in range(GROUP)]
         # turn 1: Alice speaks

@@ -52,7 +52,8 @@ class Coordinator:
         self.resuming = resume
         self.schedule = Schedule(config.schedule, list(config.agents))
         self.assignment = RoleAssignment(config.roles)
-        self.env_cls = import_object(config.environment.name)
+        self.make_env = _env_factory(import_object(config.environment.name), config.environment.kwargs)
+        rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
         self.samples = load_samples(config.data)
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging) if run_dir is not None else None
@@ -163,8 +164,7 @@ class Coordinator:
 
     def play(self, samples: list[dict[str, Any]]) -> list[rollout.Episode]:
         """`num_generations` episodes per sample, with the configured role assignment."""
-        kwargs = self.config.environment.kwargs
-        episodes = rollout.play(lambda: self.env_cls(**kwargs), samples, self.config.train.num_generations,
+        episodes = rollout.play(self.make_env, samples, self.config.train.num_generations,
                                 self.assignment, self.generate, seed=self.config.train.seed,
                                 first_episode=self.state.episodes)
         self.state.episodes += len(episodes)
@@ -331,6 +331,14 @@ def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
 
 class RunFailed(RuntimeError):
     """The run stopped: a trainer kept failing or could not be restarted; names the last good checkpoint."""
+
+
+def _env_factory(env_cls, kwargs: dict[str, Any]):
+    def make_env():
+        return env_cls(**kwargs)
+
+    make_env.__name__ = getattr(env_cls, "__name__", "environment")
+    return make_env
 
 
 def say(message: str) -> None:

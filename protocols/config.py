@@ -329,20 +329,60 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
+_MAX_VALUES = 100_000  # a config this large after alias expansion is an attack (a "billion laughs"), not a run
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the later one would silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is not None and key != "<<" and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (each key may appear once; the later one would win)",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _expanded_size(value: Any, budget: int) -> int:
+    """Values in `value` with every shared (aliased) node counted each time it appears; stops past `budget`."""
+    count, stack = 0, [value]
+    while stack and count <= budget:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return count
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None, *, check_imports: bool = True) -> RunConfig:
     """Read, override and validate a run config; any problem raises a one-line `ConfigError`."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config ({exc.strerror}); check the path") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); "
+                          "save the file as UTF-8") from None
+    try:
+        raw = yaml.load(text, Loader=_StrictLoader) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}{where}: malformed YAML: {problem}; fix the syntax there") from None
+    if _expanded_size(raw, _MAX_VALUES) > _MAX_VALUES:
+        raise ConfigError(f"{path}: expands to more than {_MAX_VALUES:,} values through YAML aliases (*name); "
+                          "write the values out, or use fewer nested aliases")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections (agents, environment, ...), got {type(raw).__name__}")
     try:

@@ -98,3 +98,42 @@ def empty() -> datasets.Dataset:
 
 def raising_factory() -> datasets.Dataset:
     raise FileNotFoundError("tasks.jsonl")
+
+
+class FaultyEnv(LetterEnv):
+    """LetterEnv that breaks the interface in one way, named by `fault`."""
+
+    def __init__(self, fault="", **kwargs):
+        if fault == "constructor":
+            raise TypeError("FaultyEnv() got an unexpected keyword argument 'levels'")
+        super().__init__(**kwargs)
+        self.fault = fault
+        if fault == "max_turns_none":
+            self.max_turns = None
+
+    def reset(self, sample, seed=None):
+        prompts = super().reset(sample, seed)
+        if self.fault == "reset_none":
+            return None
+        if self.fault == "bytes_prompt":
+            return {r: p.encode() for r, p in prompts.items()}
+        if self.fault == "surrogate_prompt":
+            return {r: p + "\ud800" for r, p in prompts.items()}
+        return prompts
+
+    def step(self, actions):
+        result = super().step(actions)
+        if self.fault == "step_none":
+            return None
+        if self.fault == "step_dict":
+            return {"prompts": result.prompts, "reward": result.reward}
+        if self.fault == "huge_reward":
+            result.reward = 1e308
+        if self.fault == "numpy_reward":
+            import numpy as np
+
+            result.reward = np.float32(result.reward)
+        return result
+
+    def episode_info(self):
+        return {"hits": "many"} if self.fault == "info_text" else super().episode_info()

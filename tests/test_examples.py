@@ -57,7 +57,7 @@ class _Endless(_Raises):
 
 
 @pytest.mark.parametrize("env, message", [
-    (_Raises(), "step raised ValueError"), (_NaN(), "not a finite number"), (_Endless(), "past max_turns"),
+    (_Raises(), "step raised ValueError"), (_NaN(), "reward nan is not finite"), (_Endless(), "past max_turns"),
 ])
 def test_check_env_catches_broken_environments(env, message):
     with pytest.raises(EnvCheckError, match=message):
@@ -73,4 +73,5 @@ def test_custom_coordinator_script_runs(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("step")]
     assert [line.split()[5] for line in lines] == ["alice", "bob"]
-    assert (tmp_path / "runs" / "custom-coordinator" / "checkpoints" / "step-000002" / "agents" / "bob").is_dir()
+    [run_dir] = (tmp_path / "runs").glob("custom-coordinator-*")  # a new directory per run
+    assert (run_dir / "checkpoints" / "step-000002" / "agents" / "bob").is_dir()
