@@ -60,12 +60,14 @@ def cmd_run(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from orchestrator.coordinator import Coordinator
+    from orchestrator.coordinator import Coordinator, check_resume
     from orchestrator.runlog import RunLog
 
-    steps = load_config(Path(args.run_dir) / "config.yaml", args.overrides, check_imports=False).train.steps
-    if RunLog(args.run_dir).steps_done() == steps:
-        print(f"marsi: {args.run_dir} has done all its {steps} steps; to go on, give more: "
+    stored = Path(args.run_dir) / "config.yaml"
+    config, log = load_config(stored, args.overrides), RunLog(args.run_dir)
+    check_resume(config, load_config(stored, check_imports=False), log)
+    if log.steps_done() == config.train.steps:
+        print(f"marsi: {args.run_dir} has done all its {config.train.steps} steps; to go on, give more: "
               f"marsi resume {args.run_dir} train.steps=N", file=sys.stderr)
         return 0
     coord = Coordinator.resume(args.run_dir, args.overrides)

@@ -182,9 +182,11 @@ class Coordinator:
             state = {**asdict(self.state), "schedule_phase": self.schedule.phase(self.state.step)}
             return self.log.commit_checkpoint(staging, self.state.step, state, self.config.train.keep_checkpoints)
         except BaseException as exc:
+            full = self.log.disk_full(exc)
+            problem = self.log.disk_problem(exc) if full else None  # measured before the cleanup frees space
             shutil.rmtree(staging, ignore_errors=True)  # a half-written checkpoint only takes space
-            if isinstance(exc, OSError) or (isinstance(exc, TrainerFailure) and "No space left" in str(exc)):
-                raise RunDirError(self.log.disk_problem(exc)) from exc
+            if full:
+                raise RunDirError(problem) from exc
             raise
 
     def restore(self, path: str | Path | None = None) -> Path:

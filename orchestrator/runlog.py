@@ -15,6 +15,7 @@ file of its checkpoint and of itself.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -32,6 +33,7 @@ from protocols.config import LoggingConfig, RunConfig
 from protocols.errors import UserError
 
 CHECKPOINT_DONE = "coordinator.json"  # written last: a checkpoint without it is incomplete
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 _STATE_KEYS = ("step", "episodes", "data", "baselines", "manifest")
 
 
@@ -102,6 +104,23 @@ class RunLog:
                 self.dir.rmdir()
         self._lock.close()  # closing the file drops the flock; a killed process drops it too
         self._lock = None
+
+    def disk_full(self, exc: BaseException) -> bool:
+        """Whether a failed write looks like a full or read-only disk: an OSError saying so anywhere in the
+        chain (a trainer in another process reports it as text), or almost no space left on this disk."""
+        chain, seen = [], exc
+        while seen is not None:
+            chain.append(seen)
+            seen = seen.__cause__ or seen.__context__
+        if any(isinstance(e, OSError) and e.errno in _DISK_ERRNOS for e in chain):
+            return True
+        if any(text in str(e) for e in chain for text in ("No space left", "Read-only file system", "quota")):
+            return True
+        try:
+            usage = shutil.disk_usage(self.dir)
+        except OSError:
+            return False
+        return usage.free < min(64 * 2**20, usage.total // 100)
 
     def disk_problem(self, exc: BaseException) -> str:
         """One line for a write that failed (full or read-only disk): which disk, and what is safe."""
