@@ -36,15 +36,20 @@ Python tricks (dir_fd-relative paths, symlink races, importlib), so it is never 
               allowed: the process limit and the kill layer contain it. `run_python(audit_hook=False)`
               leaves it out, for tests of the OS layers only.
 
-Fallbacks (Linux only). The layers are probed once per process, best combination first, with a tiny
+Fail closed (Linux only). The layers are probed once per process, best combination first, with a tiny
 run that must answer from this very interpreter (an unprivileged uid may not reach an interpreter
-installed under /root, e.g. pyenv; the mount namespace mounts it back). `sandbox_available()` names
-what is active. Without namespaces, the network and the file system are guarded only by the audit hook
-and file permissions, and IPC objects outlive the run. Without the uid layer, RLIMIT_NPROC counts all
-of the caller's processes, or, as root, does not apply at all (the kernel exempts root), so only the
-timeout stops a fork bomb. With neither the uid layer nor the pid namespace, only the audit hook keeps
-the program from signalling the caller's processes, and a child that leaves the process group (setsid)
-survives the run and keeps its pipes open, so the run ends as a timeout.
+installed under /root, e.g. pyenv; the mount namespace mounts it back). The documented containment is
+the namespaces and setpriv, plus the uid layer when marsi is root. Where the probe finds less,
+`run_python` (and `ensure_contained`, which environments call when they are made) raises
+SandboxUnavailable, one line naming what is missing and the fix, e.g. "user namespaces are unavailable
+(...) and marsi is not root". The user may opt in to weaker containment with MARSI_SANDBOX_WEAK=1 in
+the environment (or `run_python(allow_weak=True)`, which coop_coding's `allow_weak_sandbox` passes):
+then a warning on stderr, once per process, says which promises do not hold. Without namespaces, the
+network and the file system are guarded only by the audit hook and file permissions, and IPC objects
+outlive the run. Without the uid layer, RLIMIT_NPROC counts all of the caller's processes, or, as root,
+does not apply at all. With neither the uid layer nor the pid namespace, only the audit hook keeps the
+program from reading the caller's environment and signalling its processes, and a child that leaves
+the process group (setsid) survives the run. `sandbox_available()` names what is active.
 
 Never contained: reading world-readable files outside the hidden directories, using CPU and memory
 bandwidth the caller might want, memory held in SysV shared memory while the run lasts (it is freed
@@ -68,10 +73,13 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
+from protocols.errors import UserError
+
 SANDBOX_UIDS = range(61000, 65000)  # not tied to accounts: uids that /etc/passwd names are skipped
+WEAK_VAR = "MARSI_SANDBOX_WEAK"  # =1: run model code even where the documented containment is unavailable
 _PYTHON = os.path.realpath(sys.executable)
 _PREFIX = os.path.realpath(sys.base_prefix)  # the stdlib, mounted back read-only inside the namespace
 _PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
@@ -92,6 +100,7 @@ class _Layers:
     unshare: tuple[str, ...]  # the unshare command line that creates the namespaces; () for none
     setpriv: str | None  # util-linux setpriv: no_new_privs, capability drop, parent-death signal
     drop_uid: bool  # run as a leased uid from SANDBOX_UIDS (needs root and setpriv)
+    missing: tuple[tuple[str, str], ...] = ()  # what the documented containment needs and these lack, and the fix
 
 
 # Runs as root in the new mount namespace: hide the world-writable and home directories under empty
@@ -202,15 +211,48 @@ exec(*_start())
 """
 
 _PROBE = "import json, sys\nprint(sys.version)\n"
+_WARNED: list[str] = []  # the weak-mode warning, once this process printed it
+
+
+class SandboxUnavailable(UserError):
+    """This host cannot give the documented containment, and weak mode was not allowed."""
 
 
 def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 64_000,
-               max_processes: int = 16, max_file_mb: int = 8, stdin: str = "",
+               max_processes: int = 16, max_file_mb: int = 8, stdin: str = "", allow_weak: bool = False,
                audit_hook: bool = True) -> SandboxResult:
     """Run `code` as a Python program in the sandbox (see the module docstring) and report how it ended.
-    `audit_hook=False` leaves the audit hook out, for tests that the OS layers hold on their own."""
-    return _run(_layers(), code, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
+
+    Raises SandboxUnavailable when this host lacks a layer of the documented containment, unless
+    `allow_weak` or MARSI_SANDBOX_WEAK=1 (then it warns once per process). `audit_hook=False` leaves the
+    audit hook out, for tests that the OS layers hold on their own; it needs the full containment."""
+    layers = _layers()
+    ensure_contained(allow_weak=allow_weak)
+    if not audit_hook and layers.missing:
+        raise ValueError("sandbox: audit_hook=False is for testing the OS layers, and this host lacks some")
+    return _run(layers, code, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
                 max_processes=max_processes, max_file_mb=max_file_mb, stdin=stdin, audit_hook=audit_hook)
+
+
+def ensure_contained(*, allow_weak: bool = False) -> None:
+    """Return when `run_python` gives the documented containment here. Otherwise raise SandboxUnavailable,
+    naming what is missing and how to fix it, unless `allow_weak` or the environment variable
+    MARSI_SANDBOX_WEAK=1 allows weaker containment: then print once per process, on stderr, what does
+    not hold. Environments call it when they are made, so that a run stops before its first episode."""
+    layers = _layers()
+    if not layers.missing:
+        return
+    what = "; ".join(m for m, _ in layers.missing)
+    allowed_by = "allow_weak=True" if allow_weak else f"{WEAK_VAR}=1" if os.environ.get(WEAK_VAR) == "1" else ""
+    if not allowed_by:
+        fixes = "; ".join(dict.fromkeys(fix for _, fix in layers.missing))
+        raise SandboxUnavailable(f"sandbox: cannot contain model code: {what}. Fix: {fixes}; or set {WEAK_VAR}=1 "
+                                 "to run model code with weaker containment (README: Sandbox)")
+    warning = (f"marsi: WARNING: sandbox: model code runs with WEAKER containment than documented ({allowed_by}): "
+               f"{what}; so {'; '.join(_weak_spots(layers))}")
+    if not _WARNED:
+        _WARNED.append(warning)
+        print(warning, file=sys.stderr, flush=True)
 
 
 def sandbox_available() -> str:
@@ -229,29 +271,87 @@ def sandbox_available() -> str:
         ns = "namespaces: unavailable; network and files guarded only by the audit hook and file permissions"
     kill = "kill: session process group" + (", every process of the uid" if layers.drop_uid else "") + (
         ", parent-death signal" if layers.setpriv else "")
+    verdict = "containment: as documented" if not layers.missing else (
+        f"containment: WEAK, run_python refuses unless {WEAK_VAR}=1 ({'; '.join(m for m, _ in layers.missing)})")
     return "\n".join([uid, ns, "rlimits: cpu, address space, processes, file size, open files, core", kill,
-                      "audit hook: files, network, programs, signals, native code (bypassable by native code)"])
+                      "audit hook: files, network, programs, signals, native code (bypassable by native code)",
+                      verdict])
 
 
 # ---------------------------------------------------------------------------------------------- layers
 @functools.cache
 def _layers() -> _Layers:
-    """The strongest combination of layers that runs the probe with this very interpreter."""
+    """The strongest combination of layers that runs the probe with this very interpreter, with what it lacks
+    of the documented containment: namespaces (network, pid, IPC, mount) and setpriv; as root, the uid layer."""
     setpriv, unshare = shutil.which("setpriv"), shutil.which("unshare")
     root = os.geteuid() == 0
     namespaces = [(unshare, *([] if root else ["--user", "--map-root-user"]), "--net", "--pid", "--ipc", "--fork",
                    "--kill-child", "--mount-proc")] if unshare else []
     drop = [True] if root and setpriv and _pidfds_work() else []
-    failures = []
+    failures: list[tuple[_Layers, str]] = []
     for ns in [*namespaces, ()]:
         for drop_uid in [*drop, False]:
             layers = _Layers(unshare=ns, setpriv=setpriv, drop_uid=drop_uid)
-            result = _run(layers, _PROBE, timeout_s=10.0, memory_mb=512, max_output_bytes=4096,
-                          max_processes=16, max_file_mb=1, stdin="")
+            try:
+                result = _run(layers, _PROBE, timeout_s=10.0, memory_mb=512, max_output_bytes=4096,
+                              max_processes=16, max_file_mb=1, stdin="")
+            except OSError as exc:  # e.g. chown to a uid that this (user namespace's) root cannot map
+                failures.append((layers, f"{type(exc).__name__}: {exc}"))
+                continue
             if result.ok and result.stdout == sys.version + "\n":
-                return layers
-            failures.append(f"{layers}: {result.reason or 'another Python answered'}")
-    raise RuntimeError("sandbox: cannot run Python in any configuration:\n" + "\n".join(failures))
+                return replace(layers, missing=_missing(layers, root=root, unshare=unshare, failures=failures))
+            failures.append((layers, result.reason or "another Python answered"))
+    raise RuntimeError("sandbox: cannot run Python in any configuration:\n" +
+                       "\n".join(f"{layers}: {reason}" for layers, reason in failures))
+
+
+def _missing(layers: _Layers, *, root: bool, unshare: str | None,
+             failures: list[tuple[_Layers, str]]) -> tuple[tuple[str, str], ...]:
+    """(what is missing, how to get it) for each layer of the documented containment that `layers` lack;
+    `failures` are the stronger combinations the probe tried first, with why each failed: a layer's reason
+    is that of the combination that differs from `layers` in that layer alone."""
+    missing = []
+    if not unshare:
+        missing.append(("util-linux unshare is not installed", "install util-linux"))
+    elif not layers.unshare:
+        why = next(reason for tried, reason in failures if tried.unshare and tried.drop_uid == layers.drop_uid)
+        if root:
+            missing.append((f"namespaces are unavailable ({why})",
+                            "let root create namespaces (in a container: CAP_SYS_ADMIN and a seccomp profile that "
+                            "allows unshare)"))
+        else:
+            missing.append((f"user namespaces are unavailable ({why}) and marsi is not root",
+                            "enable unprivileged user namespaces (sysctl user.max_user_namespaces=10000, and where "
+                            "they exist kernel.unprivileged_userns_clone=1 and "
+                            "kernel.apparmor_restrict_unprivileged_userns=0) or run marsi as root"))
+    if not layers.setpriv:
+        missing.append(("util-linux setpriv is not installed", "install util-linux"))
+    elif root and not layers.drop_uid:
+        if not _pidfds_work():
+            missing.append(("the uid layer is unavailable: pidfds need Linux 5.3 or newer", "use Linux 5.3 or newer"))
+        else:
+            why = next(reason for tried, reason in failures if tried.drop_uid and tried.unshare == layers.unshare)
+            missing.append((f"the uid layer failed ({why})", f"let root switch to the uids {SANDBOX_UIDS.start}-"
+                                                            f"{SANDBOX_UIDS.stop - 1} and let them read this Python"))
+    return tuple(missing)
+
+
+def _weak_spots(layers: _Layers) -> list[str]:
+    """What model code can do under `layers` that the documented containment forbids."""
+    spots = []
+    if not layers.unshare:
+        spots.append("it can use the network, this host's services included")
+        spots.append("it reads and writes what its uid may, /tmp and home directories included")
+        spots.append("SysV IPC objects and POSIX message queues it creates outlive the run")
+    if not (layers.unshare or layers.drop_uid):
+        spots.append("it runs as this user: it can read this user's processes' environments (/proc/PID/environ), "
+                     "signal them, and leave a setsid child running after the run")
+    if not layers.drop_uid and os.geteuid() == 0:
+        spots.append("it runs as root: the process limit does not apply" +
+                     ("" if layers.setpriv else ", and it keeps root's capabilities"))
+    if not layers.setpriv:
+        spots.append("no no_new_privs, and the run outlives a caller killed with SIGKILL until its timeout")
+    return spots
 
 
 def _pidfds_work() -> bool:

@@ -51,6 +51,7 @@ def test_layers_are_described():
     text = sandbox_available()
     assert "audit hook" in text and "rlimits" in text
     assert ("namespaces: network" in text) == bool(LAYERS.unshare)
+    assert text.endswith("containment: as documented") == (not LAYERS.missing)
 
 
 def test_correct_program_and_stdin():
@@ -363,3 +364,62 @@ def test_the_os_layers_hold_without_the_audit_hook_as_a_user(hostile_job):
     result = json.loads(done.stdout)
     assert "'--user', '--map-root-user'" in result["layers"] and "'--ipc'" in result["layers"]
     check(result)
+
+
+# ------------------------------------------------------------------------------------------ fail closed
+DOC = REPO / "docs" / "errors.md"
+# The caller, with MARSI_SECRET=hunter2 in its environment, runs a program that reads the caller's environment
+# through /proc (the audit hook does not stop reading): refused, or, in weak mode, run, and the secret leaks.
+_CAN_RUN = r'''
+import os
+from orchestrator.sandbox import SandboxUnavailable, run_python
+from protocols.errors import UserError, one_line
+steal = "import os\nprint('leaked' if b'hunter2' in open('/proc/%d/environ' % os.getppid(), 'rb').read() else 'safe')"
+try:
+    result = run_python(steal)
+except SandboxUnavailable as exc:
+    assert isinstance(exc, UserError) and one_line(exc) == str(exc)
+    print("refused:", exc)
+else:
+    print(result.stdout.strip(), run_python(steal, allow_weak=True).stdout.strip())
+'''
+
+
+def documented(host: str) -> re.Pattern:
+    """The message that docs/errors.md gives for `host` in its sandbox table, as a pattern (<reason>: any text)."""
+    row = next(line for line in DOC.read_text().splitlines() if line.startswith(f"| {host} |"))
+    message = re.search("`([^`]+)`", row.split(" | ", 1)[1]).group(1)
+    return re.compile(re.escape(message).replace(re.escape("<reason>"), ".+?"))
+
+
+@pytest.mark.skipif(not user_namespaces_work(), reason="needs user namespaces to play a user who is not root")
+def test_a_user_without_user_namespaces_is_refused_in_one_line():
+    done = run_as(_CAN_RUN, uid=1000, no_namespaces=("user",), env={"MARSI_SECRET": "hunter2"})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.startswith("refused: ") and done.stdout.count("\n") == 1, done.stdout
+    message = done.stdout.removeprefix("refused: ").strip()
+    assert documented("not root, no user namespaces").fullmatch(message), message
+    assert "user namespaces are unavailable (exit code 1: unshare: unshare failed: No space left on device)" in message
+
+
+@pytest.mark.skipif(not user_namespaces_work(), reason="needs user namespaces to play a root without them")
+def test_root_without_an_ipc_namespace_is_refused():
+    # root of a user namespace where no IPC namespace can be made, and where SANDBOX_UIDS are not mapped
+    done = run_as(_CAN_RUN, uid=0, no_namespaces=("ipc",), env={"MARSI_SECRET": "hunter2"})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    message = done.stdout.removeprefix("refused: ").strip()
+    assert documented("root, no namespaces, no uid layer").fullmatch(message), message
+    assert "namespaces are unavailable (exit code 1: unshare: unshare failed: No space left on device)" in message
+
+
+@pytest.mark.skipif(not user_namespaces_work(), reason="needs user namespaces to play a user who is not root")
+def test_weak_mode_is_explicit_and_warns_once():
+    env = {"MARSI_SECRET": "hunter2", "MARSI_SANDBOX_WEAK": "1"}
+    done = run_as(_CAN_RUN, uid=1000, no_namespaces=("user",), env=env)
+    assert done.returncode == 0 and done.stdout == "leaked leaked\n", done  # what the refusal prevents
+    warning = done.stderr.strip()
+    assert done.stderr.count("\n") == 1 and documented("weak mode").fullmatch(warning), warning
+    assert "it can use the network" in warning and "leave a setsid child running" in warning
+    for value in ("0", "true", ""):  # only MARSI_SANDBOX_WEAK=1 opts in
+        assert run_as(_CAN_RUN, uid=1000, no_namespaces=("user",),
+                      env={"MARSI_SANDBOX_WEAK": value}).stdout.startswith("refused: ")
