@@ -138,6 +138,8 @@ def make_environment(make_env: Callable[[], Environment]) -> Environment:
     name = getattr(make_env, "__name__", "the environment")
     try:
         env = make_env()
+    except UserError:
+        raise
     except Exception as exc:
         raise EnvironmentFault(f"{name}: constructing it raised {type(exc).__name__}: {' '.join(str(exc).split())}; "
                                "fix environment.kwargs or the constructor") from exc
@@ -150,6 +152,8 @@ def make_environment(make_env: Callable[[], Environment]) -> Environment:
 def _guard(episode: Episode, turn: int, what: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
+    except UserError:  # already one line naming its cause (e.g. a sandbox that cannot contain model code)
+        raise
     except Exception as exc:
         raise EnvironmentFault(f"episode {episode.index} turn {turn}: {type(episode.env).__name__}.{what} raised "
                                 f"{type(exc).__name__}: {' '.join(str(exc).split())}; fix the environment "
