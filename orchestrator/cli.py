@@ -91,6 +91,10 @@ def _train(coord, started: bool) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         coord.run()
+    except BaseException:
+        if not started:
+            coord.log.discard_unstarted()  # a run that failed before its first step leaves no directory
+        raise
     finally:
         coord.close()
         for s, handler in previous.items():

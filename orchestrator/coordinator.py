@@ -6,6 +6,7 @@ Its primitives (`generate`, `train`, `checkpoint`, `restore`) serve custom coord
 
 from __future__ import annotations
 
+import json
 import shutil
 import statistics
 import sys
@@ -21,8 +22,8 @@ from orchestrator import rollout
 from orchestrator.advantages import experiences_by_agent
 from orchestrator.data import DataPosition, load_samples, next_batch
 from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, read_checkpoint_state
-from orchestrator.schedule import RoleAssignment, Schedule
-from protocols.config import RunConfig, load_config
+from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
+from protocols.config import ConfigError, RunConfig, load_config
 from protocols.errors import UserError
 from protocols.imports import import_object
 from protocols.messages import (
@@ -41,23 +42,32 @@ class CoordinatorState:
     data: DataPosition = field(default_factory=DataPosition)
     baselines: dict[str, dict[str, float]] = field(default_factory=dict)
     """EMA return baseline per agent, then per role (algorithm.baseline == "ema")."""
+    loop_state: dict[str, Any] = field(default_factory=dict)
+    """A custom loop's own state (JSON values), saved with each checkpoint and given back by restore."""
 
 
 class Coordinator:
     """`with Coordinator(config, run_dir) as coord: coord.run()`. `run_dir` must hold no run yet (see
-    `Coordinator.resume` to continue one); None keeps no records and no checkpoints."""
+    `Coordinator.resume` to continue one); None keeps no records and no checkpoints.
+
+    Attributes a custom loop reads: `step` (steps done), `restored_from` (the checkpoint `restore` loaded,
+    or None), `loop_state` (its own JSON state, saved by `checkpoint` and given back by `restore`)."""
 
     def __init__(self, config: RunConfig, run_dir: str | Path | None = None, *, resume: bool = False):
         self.config = config
         self.resuming = resume
         self.schedule = Schedule(config.schedule, list(config.agents))
         self.assignment = RoleAssignment(config.roles)
-        self.make_env = _env_factory(import_object(config.environment.name), config.environment.kwargs)
-        rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
+        self.make_env = _env_factory(config.environment.name, config.environment.kwargs)
+        env = rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
+        problem = seating_problem(config.roles, env.possible_agents)
+        if problem:
+            raise ConfigError(problem)
         self.samples = load_samples(config.data)
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging) if run_dir is not None else None
         self.trainers = None
+        self.restored_from: Path | None = None
         self.restarts = 0
         self.stop_requested = False
         self._owns_ray = False
@@ -90,6 +100,7 @@ class Coordinator:
             raise
         if self.log is not None and not self.resuming:
             self.log.write_config(self.config)
+            self.log.snapshot_sources([self.config.environment.name, self.config.data.factory])
 
     def _start_trainers(self):
         updates = {a: self.schedule.updates(a, self.config.train.steps) for a in self.config.agents}
@@ -132,9 +143,32 @@ class Coordinator:
             raise
         return coord
 
+    @property
+    def step(self) -> int:
+        """Steps done: what `run()` counts, or what a custom loop last passed to `checkpoint(step=...)`."""
+        return self.state.step
+
+    @property
+    def loop_state(self) -> dict[str, Any]:
+        return self.state.loop_state
+
+    @loop_state.setter
+    def loop_state(self, value: dict[str, Any]) -> None:
+        self.state.loop_state = value
+
+    def _known(self, agents, action: str) -> None:
+        for agent in agents:
+            if agent not in self.config.agents:
+                raise ConfigError(f"{action}: agent {agent!r} is not defined; defined agents: "
+                                  f"{', '.join(self.config.agents)}")
+            if action == "train" and agent in self.config.schedule.frozen:
+                raise ConfigError(f"train: agent {agent!r} is frozen (schedule.frozen) and never updates; "
+                                  "remove it from schedule.frozen to train it")
+
     # -------------------------------------------------------------------------------- primitives
     def generate(self, prompts: dict[str, list[Prompt]], seed: int) -> dict[str, list[Completion]]:
         """Completions for each agent's prompts: one request per agent, all agents at once."""
+        self._known(prompts, "generate")
         start = time.perf_counter()
         requests = {a: {"request": GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a))}
                     for a, p in prompts.items() if p}
@@ -145,6 +179,7 @@ class Coordinator:
     def train(self, experiences: dict[str, list[Experience]]) -> dict[str, UpdateResult]:
         """Update each named agent on its experiences now, all agents at once. Every experience is checked
         first: a non-finite advantage or log-prob stops the call before any agent trains."""
+        self._known(experiences, "train")
         for agent, exps in experiences.items():
             check_experiences(agent, exps)
         start = time.perf_counter()
@@ -171,8 +206,21 @@ class Coordinator:
         return episodes
 
     def checkpoint(self, step: int | None = None) -> Path:
-        """Save every trainer and the coordinator state under checkpoints/step-N, atomically.
-        Custom loops pass the `step` they reached; `run()` keeps its own count."""
+        """Save every trainer and the coordinator state (with `loop_state`) under checkpoints/step-N,
+        atomically. Custom loops pass the `step` they reached; `run()` keeps its own count."""
+        if self.log is None:
+            raise ConfigError("checkpoint(): this coordinator has no run directory; give Coordinator(config, run_dir)")
+        latest = self.log.latest_checkpoint()
+        done = int(latest.name[5:]) if latest is not None else -1
+        if step is None and self.state.step == done:
+            raise ConfigError(f"checkpoint(): {latest.name} exists; pass the step your loop reached: "
+                              "checkpoint(step=N)")
+        if step is not None and step < done:
+            raise ConfigError(f"checkpoint(step={step}): the newest checkpoint is {latest.name}; steps only go forward")
+        try:
+            json.dumps(self.state.loop_state)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"checkpoint(): loop_state must hold JSON values only ({exc})") from None
         if step is not None:
             self.state.step = step
         staging = self.log.staging_path(self.state.step)
@@ -208,8 +256,9 @@ class Coordinator:
                            timeout=self.config.train.checkpoint_timeout_s)
         raw = read_checkpoint_state(candidate)
         self.state = CoordinatorState(step=raw["step"], episodes=raw["episodes"], data=DataPosition(**raw["data"]),
-                                      baselines=raw["baselines"])
+                                      baselines=raw["baselines"], loop_state=raw.get("loop_state", {}))
         self.log.truncate_after(self.state.step)
+        self.restored_from = candidate
         return candidate
 
     def recover(self, failure: TrainerFailure) -> None:
@@ -262,7 +311,11 @@ class Coordinator:
             start = time.perf_counter()
             try:
                 # rollout
+                epoch = self.state.data.epoch
                 samples = next_batch(self.samples, cfg.batch_size, self.state.data, cfg.seed, self.config.data.shuffle)
+                if self.state.data.epoch != epoch:
+                    say(f"data: all {len(self.samples)} samples used; epoch {self.state.data.epoch + 1} starts"
+                        + (" (reshuffled)" if self.config.data.shuffle else ""))
                 episodes = self.play(samples)
                 # advantages
                 experiences = experiences_by_agent(episodes, self.config.algorithm, self.state.baselines)
@@ -273,6 +326,7 @@ class Coordinator:
                 self.state.step += 1
                 # log
                 metrics = step_metrics(self.state.step, episodes, results, self._seconds, time.perf_counter() - start)
+                metrics["data/epoch"] = self.state.data.epoch + self.state.data.index / len(self.samples)
                 for agent in sorted(set(scheduled) - set(training)):
                     metrics[f"no_experiences/{agent}"] = 1
                     self.warn_once(agent, "idle", f"agent {agent!r} is scheduled to train but got no experiences at "
@@ -335,11 +389,14 @@ class RunFailed(RuntimeError):
     """The run stopped: a trainer kept failing or could not be restarted; names the last good checkpoint."""
 
 
-def _env_factory(env_cls, kwargs: dict[str, Any]):
+def _env_factory(spec: str, kwargs: dict[str, Any]):
+    """A no-argument constructor of the configured environment, named for error messages by its spec."""
+    env_cls = import_object(spec)
+
     def make_env():
         return env_cls(**kwargs)
 
-    make_env.__name__ = getattr(env_cls, "__name__", "environment")
+    make_env.__name__ = f"environment.name {spec}"
     return make_env
 
 

@@ -141,8 +141,8 @@ def make_environment(make_env: Callable[[], Environment]) -> Environment:
     except UserError:
         raise
     except Exception as exc:
-        raise EnvironmentFault(f"{name}: constructing it raised {type(exc).__name__}: {' '.join(str(exc).split())}; "
-                               "fix environment.kwargs or the constructor") from exc
+        raise EnvironmentFault(f"{name}: constructing it with environment.kwargs raised {type(exc).__name__}: "
+                               f"{' '.join(str(exc).split())}; fix environment.kwargs or the constructor") from exc
     problem = env_problem(env)
     if problem:
         raise EnvironmentFault(f"{type(env).__name__}: {problem}; fix the environment (check it with check_env)")

@@ -98,7 +98,7 @@ class RunLog:
         """Give up the directory; one that still holds nothing (a run that failed to start) is removed."""
         if self._lock is None:
             return
-        if {p.name for p in self.dir.iterdir()} <= {".lock"}:
+        if self.dir.is_dir() and {p.name for p in self.dir.iterdir()} <= {".lock"}:
             (self.dir / ".lock").unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 self.dir.rmdir()
@@ -144,6 +144,27 @@ class RunLog:
     # ------------------------------------------------------------------------------------ records
     def write_config(self, config: RunConfig) -> None:
         (self.dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+    def snapshot_sources(self, specs: list[str | None]) -> None:
+        """Copy the source files of the environment and data factory beside config.yaml (RUN_DIR/source/), so
+        the run can be read and rerun after the code changes; installed packages are left out."""
+        for spec in specs:
+            source = _source_file(spec) if spec else None
+            if source is not None:
+                (self.dir / "source").mkdir(exist_ok=True)
+                shutil.copy2(source, self.dir / "source" / source.name)
+
+    def discard_unstarted(self) -> bool:
+        """Remove what marsi wrote for a run that logged no step (it failed before training); True if removed."""
+        if (self.dir / "metrics.jsonl").exists() and self.metrics():
+            return False
+        for name in ("config.yaml", "metrics.jsonl", "transcripts.jsonl", ".lock"):
+            (self.dir / name).unlink(missing_ok=True)
+        for name in ("checkpoints", "source", "tensorboard"):
+            shutil.rmtree(self.dir / name, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()  # only if nothing else is in it
+        return True
 
     def log_metrics(self, metrics: dict[str, Any]) -> None:
         with open(self.dir / "metrics.jsonl", "a") as f:
@@ -250,6 +271,22 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _source_file(spec: str) -> Path | None:
+    """The file an import spec's object is defined in, unless it belongs to an installed package."""
+    import inspect
+
+    from protocols.imports import import_object
+
+    try:
+        path = Path(inspect.getsourcefile(import_object(spec)) or "")
+    except (TypeError, OSError, ImportError):
+        return None
+    installed = ("site-packages", "dist-packages")
+    if not path.is_file() or any(part in installed for part in path.parts) or path.is_relative_to(sys.base_prefix):
+        return None
+    return path
 
 
 def _digest(record: dict[str, Any]) -> str:

@@ -89,21 +89,47 @@ class EnvironmentConfig(_Strict):
 
 
 class RolesConfig(_Strict):
-    assignment: dict[str, str]
-    """Role -> agent for the first turn of the first episode; one agent may hold several roles."""
+    assignment: dict[str, str] | None = None
+    """Role -> agent (one agent may hold several roles); with a `cycle`, its first entry (may be omitted)."""
     rotation: Literal["none", "per_episode", "per_turn"] = "none"
-    """How often the assignment advances along the cycle."""
+    """How often the seating advances along the cycle: never, every episode, or every turn."""
     cycle: list[dict[str, str]] | None = None
-    """Explicit cycle of assignments; None: the rotations of `assignment` (role i gets role i+1's agent)."""
+    """Explicit cycle of seatings (needs a rotation); None: the rotations of `assignment` (role i gets role
+    i+1's agent)."""
+
+    @model_validator(mode="after")
+    def _seatings(self) -> RolesConfig:
+        if self.cycle is not None and not self.cycle:
+            raise ValueError("roles.cycle: give at least one seating, or leave it out")
+        if self.assignment is None and not self.cycle:
+            raise ValueError("roles.assignment: missing; seat every role (role: agent), or give roles.cycle")
+        if self.cycle and self.rotation == "none":
+            raise ValueError("roles.cycle: a cycle needs roles.rotation per_episode or per_turn (with rotation none "
+                             "only its first seating would ever be used)")
+        if self.cycle and self.assignment is not None and self.assignment != self.cycle[0]:
+            raise ValueError(f"roles.assignment: {self.assignment} differs from roles.cycle's first seating "
+                             f"{self.cycle[0]}; drop roles.assignment or make them equal")
+        return self
+
+    def seatings(self) -> list[dict[str, str]]:
+        """Every seating the run may use: the cycle, or the assignment's rotations (just it without rotation)."""
+        if self.cycle:
+            return [dict(a) for a in self.cycle]
+        roles = list(self.assignment)
+        if self.rotation == "none":
+            return [dict(self.assignment)]
+        agents = [self.assignment[r] for r in roles]
+        return [{roles[i]: agents[(i + k) % len(roles)] for i in range(len(roles))} for k in range(len(roles))]
 
 
 class ScheduleConfig(_Strict):
     kind: Literal["simultaneous", "alternate", "round_robin", "pattern"] = "simultaneous"
-    """Which agents update at each step."""
+    """Which agents update at each step: all trainable ones; two agents taking turns (`alternate`); any
+    number taking turns (`round_robin`); an explicit cycle of agent sets (`pattern`)."""
     period: int = Field(1, ge=1)
     """`alternate` / `round_robin`: steps each agent trains before the next one's turn."""
     order: list[str] | None = None
-    """`alternate` / `round_robin`: agents in turn order; None: the trainable agents as declared."""
+    """`alternate` (two agents) / `round_robin`: agents in turn order; None: the trainable agents as declared."""
     pattern: list[list[str]] | None = None
     """`pattern`: agent sets cycled one per step."""
     frozen: list[str] = []
@@ -135,7 +161,8 @@ class AlgorithmConfig(_Strict):
 # ------------------------------------------------------------------------------------- data/run
 class DataConfig(_Strict):
     path: str | None = None
-    """A json/jsonl/csv/parquet file, relative to the config file."""
+    """A json/jsonl/csv/parquet file, or a directory written by `datasets`' `save_to_disk` (a `Dataset`, or a
+    `DatasetDict` whose `split` is used), relative to the config file."""
     factory: str | None = None
     """`module:function` or `file.py:function` returning a `datasets.Dataset`."""
     kwargs: dict[str, Any] = {}
@@ -143,7 +170,7 @@ class DataConfig(_Strict):
     hub: str | None = None
     """A dataset name for `datasets.load_dataset` (needs the hub, or its local cache)."""
     split: str = "train"
-    """Split to use with `hub`."""
+    """Split to use with `hub`, or of a saved `DatasetDict` under `path`."""
     shuffle: bool = True
     """Reshuffle the data each epoch with the run's seed."""
 
@@ -152,6 +179,9 @@ class DataConfig(_Strict):
         given = [k for k in ("path", "factory", "hub") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"data: set exactly one of path, factory, hub (got {given or 'none'})")
+        if self.path is not None and self.kwargs:
+            raise ValueError(f"data.kwargs: {sorted(self.kwargs)} would be ignored: kwargs go to data.factory or "
+                             "data.hub, not data.path; remove them")
         return self
 
 
@@ -235,14 +265,19 @@ class RunConfig(_Strict):
                 if name not in self.agents:
                     raise ValueError(f"{key}: agent {name!r} is not defined; defined agents: {', '.join(agents)}")
 
-        known("roles.assignment", list(self.roles.assignment.values()))
-        for i, assignment in enumerate(self.roles.cycle or []):
-            known(f"roles.cycle.{i}", list(assignment.values()))
-            if set(assignment) != set(self.roles.assignment):
+        seatings = self.roles.seatings()
+        for i, seating in enumerate(seatings):
+            known(f"roles.cycle.{i}" if self.roles.cycle else "roles.assignment", list(seating.values()))
+            if set(seating) != set(seatings[0]):
                 raise ValueError(
-                    f"roles.cycle.{i}: roles {sorted(assignment)} differ from roles.assignment's "
-                    f"{sorted(self.roles.assignment)}; every assignment must seat the same roles"
+                    f"roles.cycle.{i}: roles {sorted(seating)} differ from the first seating's {sorted(seatings[0])}; "
+                    "every seating must seat the same roles"
                 )
+        seated = {agent for seating in seatings for agent in seating.values()}
+        for name in agents:
+            if name not in seated:
+                raise ValueError(f"agents.{name}: holds no role in roles.assignment or roles.cycle, so it would load "
+                                 "and never act; seat it or remove it")
         known("schedule.frozen", self.schedule.frozen)
         known("schedule.order", self.schedule.order or [])
         for i, group in enumerate(self.schedule.pattern or []):
@@ -252,19 +287,28 @@ class RunConfig(_Strict):
         frozen_ordered = set(self.schedule.order or []) & set(self.schedule.frozen)
         if frozen_ordered:
             raise ValueError(f"schedule.order: {sorted(frozen_ordered)} are also in schedule.frozen; remove them from one")
+        for i, group in enumerate(self.schedule.pattern or []):
+            frozen_listed = sorted(set(group) & set(self.schedule.frozen))
+            if frozen_listed:
+                raise ValueError(f"schedule.pattern.{i}: {frozen_listed} are also in schedule.frozen; remove them from one")
+        if self.schedule.kind == "alternate":
+            takers = self.schedule.order or [a for a in agents if a not in self.schedule.frozen]
+            if len(takers) != 2:
+                raise ValueError(f"schedule.kind: alternate takes turns between two agents, got {len(takers)} "
+                                 f"({', '.join(takers) or 'none'}); use round_robin for any number, or set schedule.order")
         if self.algorithm.baseline == "group" and self.train.num_generations < 2:
             raise ValueError(
                 f"train.num_generations: group-relative advantages need at least 2 episodes per group "
                 f"(got {self.train.num_generations}); set train.num_generations >= 2 or algorithm.baseline=ema"
             )
-        seatings = len(self.roles.cycle) if self.roles.cycle else len(self.roles.assignment)
-        if (self.algorithm.baseline == "group" and self.roles.rotation == "per_episode" and seatings > 1
-                and "role" in self.algorithm.group_by and self.train.num_generations // seatings < 2):
+        distinct = len({tuple(sorted(seating.items())) for seating in seatings})
+        if (self.algorithm.baseline == "group" and self.roles.rotation == "per_episode" and distinct > 1
+                and "role" in self.algorithm.group_by and self.train.num_generations // distinct < 2):
             raise ValueError(
-                f"train.num_generations: with roles.rotation per_episode over {seatings} seatings, each (agent, role) "
-                f"group of a sample gets num_generations / {seatings} episodes, fewer than 2 with "
+                f"train.num_generations: with roles.rotation per_episode over {distinct} seatings, each (agent, role) "
+                f"group of a sample gets num_generations / {distinct} episodes, fewer than 2 with "
                 f"num_generations={self.train.num_generations}; set train.num_generations to a multiple of "
-                f"{seatings} that is at least {2 * seatings}"
+                f"{distinct} that is at least {2 * distinct}"
             )
         return self
 
@@ -301,7 +345,7 @@ def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
         allowed = ", ".join(parent.model_fields) if parent else "see `marsi schema`"
         return f"{key}: unknown key; allowed keys here: {allowed}"
     msg = error["msg"].removeprefix("Value error, ")
-    if not loc or msg.startswith(f"{key}: "):
+    if not loc or msg.startswith((f"{key}: ", f"{key}.")):  # a cross-field check that names its own keys
         return msg
     if error["type"] == "missing":
         return f"{key}: missing; this key is required (see `marsi schema`)"
@@ -327,6 +371,17 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
         if hasattr(current, "__args__"):
             current = None
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _local_path(value: str, base: Path) -> Path | None:
+    """The absolute path `value` names if it is a local path (relative to `base`), or None (a hub id, a built-in).
+    `./x`, `../x`, `~/x` and `/x` are paths; `org/name` is a path only if it exists under `base`."""
+    if value.startswith("builtin:"):
+        return None
+    path = Path(value).expanduser()
+    if value.startswith(("./", "../", "~", "/")) or (base / path).exists():
+        return (base / path).resolve()
+    return None
 
 
 _MAX_VALUES = 100_000  # a config this large after alias expansion is an attack (a "billion laughs"), not a run
@@ -400,13 +455,24 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
         errors = exc.errors()
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise ConfigError(f"{source}: {_describe(errors[0], RunConfig)}{more}") from None
-    # Paths relative to the config file become absolute, so the resolved config stands alone.
+    # Paths relative to the config file become absolute (and ~ is expanded), so the resolved config stands alone.
     base = Path(source).resolve().parent if str(source) != "<config>" else Path.cwd()
     config.environment.name = absolute_spec(config.environment.name, base)
     if config.data.factory is not None:
         config.data.factory = absolute_spec(config.data.factory, base)
     if config.data.path is not None:
-        config.data.path = str((base / config.data.path).resolve())
+        config.data.path = str((base / Path(config.data.path).expanduser()).resolve())
+    for name, agent in config.agents.items():
+        for key in ("model", "tokenizer"):
+            value = getattr(agent, key)
+            if value is None:
+                continue
+            local = _local_path(value, base)
+            if local is not None:
+                if check_imports and not local.exists():
+                    raise ConfigError(f"{source}: agents.{name}.{key}: {str(local)!r} not found; give an existing "
+                                      "directory (relative to the config file), a hub id, or a built-in")
+                setattr(agent, key, str(local))
     if check_imports:
         for key, spec in (("environment.name", config.environment.name), ("data.factory", config.data.factory)):
             if spec is None:

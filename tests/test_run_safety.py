@@ -147,7 +147,7 @@ def test_a_corrupt_line_inside_a_record_names_file_and_line(finished, tmp_path):
 
 # ------------------------------------------------------------------------ 7: a failed resume changes nothing
 @pytest.mark.parametrize("overrides, message", [
-    (["agents.a.model=/no/such/model"], "agents.a.model='/no/such/model': its config cannot be read"),
+    (["agents.a.model=/no/such/model"], "agents.a.model: '/no/such/model' not found"),
     (["agents.carol.model=builtin:tiny"], "a resumed run keeps its agents (a, b); the overrides make them a, b, carol"),
     (["train.steps=2"], "train.steps=2 is below the 3 steps"),
 ], ids=["model_missing", "new_agent", "fewer_steps"])
