@@ -63,7 +63,13 @@ class RayTrainers:
     def __init__(self, config: RunConfig, updates: dict[str, int]):
         from agent_trainer.group import TrainerStartError, num_threads
 
+        from agent_trainer.group import placement_problem
+
         names = list(config.agents)
+        total = ray.cluster_resources()
+        problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), "the Ray cluster")
+        if problem:  # cannot fit at all: say so now rather than after placement_timeout_s
+            raise PlacementError(problem)
         bundles = [{"CPU": a.resources.num_cpus, **({"GPU": a.resources.num_gpus} if a.resources.num_gpus else {})}
                    for a in config.agents.values()]
         self.pg = placement_group(bundles, strategy="PACK")

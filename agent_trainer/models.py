@@ -70,6 +70,22 @@ def source_fingerprint(name: str) -> dict[str, list[int]]:
             for f in sorted(path.rglob("*")) if f.is_file()}
 
 
+def context_problem(config, prompt_length: int, completion_length: int) -> str | None:
+    """Why prompts and completions of these lengths do not fit a model with this config, or None."""
+    context = getattr(config, "max_position_embeddings", None)
+    if context and prompt_length + completion_length > context:
+        return (f"generation.max_prompt_length ({prompt_length}) + max_completion_length ({completion_length}) "
+                f"exceed the model's context of {context} tokens; lower them")
+    return None
+
+
+def model_config(name: str):
+    """The transformers config of model `name` (a built-in is built first); cheap next to loading the weights."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model_path(name))
+
+
 _SHAPE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
 

@@ -112,23 +112,73 @@ def _train(coord, started: bool) -> int:
 
 
 def cmd_validate(args) -> int:
+    """Everything that can be checked without Ray or the weights: config, environment roles and seats,
+    each model's context, resources; then the schedule and who acts on each turn for the first steps."""
+    from agent_trainer.group import local_resources, placement_problem
+    from agent_trainer.models import context_problem, model_config
+    from orchestrator.coordinator import Coordinator
     from orchestrator.schedule import RoleAssignment, Schedule
-    from protocols.imports import import_object
+    from protocols.config import ConfigError
 
     config = load_config(args.config, args.overrides)
+    coordinator = Coordinator(config)  # constructs the environment and checks its roles against the seats
+    env = coordinator.make_env()
+    for name, agent in config.agents.items():
+        gen = agent.generation
+        problem = context_problem(model_config(agent.model), gen.max_prompt_length, gen.max_completion_length)
+        if problem:
+            raise ConfigError(f"{args.config}: agents.{name}: {problem}")
+    joins = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if config.ray.enabled and not joins:
+        cpus, gpus = local_resources(config)
+        problem = placement_problem(config, cpus, gpus, "the local cluster")
+        if problem:
+            raise ConfigError(f"{args.config}: {problem}")
     schedule, assignment = Schedule(config.schedule, list(config.agents)), RoleAssignment(config.roles)
-    env = import_object(config.environment.name)(**config.environment.kwargs)
     per_step = config.train.batch_size * config.train.num_generations
-    turns = min(env.max_turns, 4)
+    acting = _acting_roles(coordinator, env)
     print(f"{args.config}: valid. agents: {', '.join(config.agents)}; roles: {', '.join(env.possible_agents)}; "
           f"{per_step} episodes per step, at most {env.max_turns} turns each")
+    asked = sum(a.resources.num_cpus for a in config.agents.values())
+    where = f"joins {joins}; checked when the run starts" if joins else (
+        "in-process (ray.enabled false)" if not config.ray.enabled else
+        "local cluster: {:g} CPUs, {:g} GPUs".format(*local_resources(config)))
+    print(f"resources: trainers ask for {asked:g} CPUs, "
+          f"{sum(a.resources.num_gpus for a in config.agents.values()):g} GPUs; {where}")
+    if not schedule.trainable:
+        print("no agent trains (all are in schedule.frozen): the run plays episodes and logs their rewards only")
+    print(f"steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "
+          f"(* marks the roles that acted)")
     for step in range(min(args.steps, config.train.steps)):
-        trains = ", ".join(schedule.training_agents(step)) or "(none)"
-        print(f"step {step}: trains {trains}")
-        for episode in sorted({step * per_step, step * per_step + 1} & set(range(step * per_step, (step + 1) * per_step))):
-            seats = " | ".join(" ".join(f"{r}={a}" for r, a in assignment(episode, t).items()) for t in range(turns))
-            print(f"  episode {episode} turns 0..{turns - 1}: {seats}")
+        print(f"step {step + 1}: trains {', '.join(schedule.training_agents(step)) or '(none)'}")
+        for episode in range(step * per_step, min(step * per_step + 2, (step + 1) * per_step)):
+            turns = " | ".join(f"turn {t + 1}: " + " ".join(
+                f"{r}={a}{'*' if r in acting.get(t, ()) else ''}" for r, a in assignment(episode, t).items())
+                for t in range(env.max_turns))
+            print(f"  episode {episode + 1}: {turns}")
     return 0
+
+
+def _acting_roles(coordinator, env) -> dict[int, set[str]]:
+    """Roles that act on each turn of one episode of the first sample, played with the environment module's
+    `sample_action(role, prompt, rng)` when it has one, else empty answers."""
+    import random
+
+    from orchestrator.rollout import derive_seed
+
+    module = sys.modules.get(type(env).__module__)
+    act = getattr(module, "sample_action", None) or (lambda role, prompt, rng: "")
+    rng, acting = random.Random(0), {}
+    prompts = env.reset(dict(coordinator.samples[0]), seed=derive_seed(coordinator.config.train.seed, 0))
+    for turn in range(env.max_turns):
+        if not prompts:
+            break
+        acting[turn] = set(prompts)
+        result = env.step({role: act(role, prompt, rng) for role, prompt in prompts.items()})
+        if result.terminated or result.truncated:
+            break
+        prompts = result.prompts
+    return acting
 
 
 def cmd_schema(args) -> int:

@@ -23,6 +23,18 @@ class ConfigError(UserError, ValueError):
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.__doc__ = with_field_docs(cls)
+
+
+def with_field_docs(model: type[BaseModel]) -> str:
+    """The model's docstring followed by one line per field and its own docstring, so help() shows them."""
+    lines = [f"    {name}: {field.description}" for name, field in model.model_fields.items() if field.description]
+    head = (model.__doc__ or model.__name__).rstrip()
+    return head + ("\n\nFields:\n" + "\n".join(lines) if lines else "")
+
 
 # ---------------------------------------------------------------------------------------- agents
 class GenerationConfig(_Strict):

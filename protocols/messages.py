@@ -15,7 +15,14 @@ Prompt = str | list[ChatMessage]
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs) -> None:
+        from protocols.config import with_field_docs
+
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.__doc__ = with_field_docs(cls)
 
 
 class GenerateRequest(_Message):

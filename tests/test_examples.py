@@ -64,14 +64,23 @@ def test_check_env_catches_broken_environments(env, message):
         check_env(env, [{}])
 
 
-def test_custom_coordinator_script_runs(tmp_path):
+def test_custom_coordinator_script_runs_and_resumes_exactly(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(EXAMPLES / "custom_coordinator.py"), "2"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    lines = [line for line in out.stdout.splitlines() if line.startswith("step")]
-    assert [line.split()[5] for line in lines] == ["alice", "bob"]
-    [run_dir] = (tmp_path / "runs").glob("custom-coordinator-*")  # a new directory per run
+    def script(*args, cwd):
+        out = subprocess.run([sys.executable, str(EXAMPLES / "custom_coordinator.py"), *map(str, args)], cwd=cwd,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return [line for line in out.stdout.splitlines() if line.startswith(("step", "run dir"))]
+
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "cut").mkdir()
+    whole = script(3, cwd=tmp_path / "whole")
+    assert [line.split()[5] for line in whole[:3]] == ["alice", "bob", "alice"]
+    first = script(2, cwd=tmp_path / "cut")
+    [run_dir] = (tmp_path / "cut" / "runs").glob("custom-coordinator-*")  # a new directory per run
     assert (run_dir / "checkpoints" / "step-000002" / "agents" / "bob").is_dir()
+    rest = script(3, run_dir, cwd=tmp_path / "cut")
+    assert first[:2] + rest[:1] == whole[:3]  # the same rewards and losses, step for step
+    assert rest[1].split("reward_ema:")[1] == whole[3].split("reward_ema:")[1]  # and the loop's own state
