@@ -79,8 +79,8 @@ def test_validate_prints_schedule_and_roles(tmp_path):
     raw["train"]["num_generations"] = 4  # two episodes per seating in each sample's group
     out = marsi("validate", write(tmp_path, raw), "--steps", "2")
     assert out.returncode == 0, out.stderr
-    assert "step 0: trains a" in out.stdout and "step 1: trains b" in out.stdout
-    assert "episode 0 turns 0..0: r0=a r1=b" in out.stdout and "episode 1 turns 0..0: r0=b r1=a" in out.stdout
+    assert "step 1: trains a" in out.stdout and "step 2: trains b" in out.stdout
+    assert "episode 1: turn 1: r0=a* r1=b*" in out.stdout and "episode 2: turn 1: r0=b* r1=a*" in out.stdout
 
 
 def test_schema_is_json_schema():
@@ -144,4 +144,4 @@ def test_run_joins_a_separately_started_cluster(tmp_path):
 def test_overrides_may_follow_options(tmp_path):
     out = marsi("validate", write(tmp_path, config(train={"steps": 5})), "--steps", "3", "train.steps=1")
     assert out.returncode == 0, out.stderr
-    assert "step 0:" in out.stdout and "step 1:" not in out.stdout
+    assert "step 1:" in out.stdout and "step 2:" not in out.stdout
