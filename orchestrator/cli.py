@@ -147,8 +147,8 @@ def cmd_validate(args) -> int:
           f"{sum(a.resources.num_gpus for a in config.agents.values()):g} GPUs; {where}")
     if not schedule.trainable:
         print("no agent trains (all are in schedule.frozen): the run plays episodes and logs their rewards only")
-    print(f"steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "
-          f"(* marks the roles that acted)")
+    print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "
+          "(* marks the roles that acted)")
     for step in range(min(args.steps, config.train.steps)):
         print(f"step {step + 1}: trains {', '.join(schedule.training_agents(step)) or '(none)'}")
         for episode in range(step * per_step, min(step * per_step + 2, (step + 1) * per_step)):

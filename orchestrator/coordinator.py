@@ -223,6 +223,9 @@ class Coordinator:
             raise ConfigError(f"checkpoint(): loop_state must hold JSON values only ({exc})") from None
         if step is not None:
             self.state.step = step
+        return self._save_checkpoint()
+
+    def _save_checkpoint(self) -> Path:
         staging = self.log.staging_path(self.state.step)
         try:
             self.trainers.call("save", {a: {"path": str(staging / "agents" / a)} for a in self.config.agents},
@@ -301,7 +304,7 @@ class Coordinator:
         until = cfg.steps if until is None else min(until, cfg.steps)
         while self.log is not None and self.log.latest_checkpoint() is None:
             try:
-                self.checkpoint()  # step 0: something to restart from
+                self._save_checkpoint()  # step 0: something to restart from
             except TrainerFailure as failure:
                 self.recover(failure)
         bar = _progress(self.state.step, until, cfg.progress)
@@ -341,7 +344,7 @@ class Coordinator:
                 every = cfg.checkpoint_every
                 at_end = self.state.step == cfg.steps or self.stop_requested
                 if self.log is not None and ((every and self.state.step % every == 0) or at_end):
-                    self.checkpoint()
+                    self._save_checkpoint()
             except OSError as exc:  # a full or read-only disk under the run directory
                 if self.log is None:
                     raise

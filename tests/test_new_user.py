@@ -4,29 +4,13 @@ Python API of a custom loop."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
 from orchestrator.coordinator import Coordinator
 from protocols.config import ConfigError, load_config, validate_config
 from tests.envs import HERE, config
-
-MARSI = [sys.executable, "-m", "orchestrator.cli"]
-
-
-def marsi(*args, timeout=300):
-    return subprocess.run([*MARSI, *map(str, args)], capture_output=True, text=True, timeout=timeout)
-
-
-def write(tmp_path, raw, name="run.yaml"):
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
+from tests.runs import marsi, write
 
 # ----------------------------------------------------------------------------------------- validate
 def test_validate_catches_a_misspelt_role(tmp_path):

@@ -14,34 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from agent_trainer.group import TrainerFailure
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, make_run_dir
 from protocols.config import validate_config
 from tests.envs import config
-
-MARSI = [sys.executable, "-m", "orchestrator.cli"]
-
-
-def marsi(*args, timeout=300):
-    return subprocess.run([*MARSI, *map(str, args)], capture_output=True, text=True, timeout=timeout)
-
-
-def write(tmp_path, raw, name="run.yaml"):
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(raw))
-    return path
-
-
-def rows(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def without_times(metrics):
-    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
-
+from tests.runs import MARSI, marsi, rows, without_times, write
 
 def snapshot(run_dir):
     """Every file of a run directory with its bytes (the lock file aside)."""
@@ -148,7 +127,8 @@ def test_a_corrupt_line_inside_a_record_names_file_and_line(finished, tmp_path):
 # ------------------------------------------------------------------------ 7: a failed resume changes nothing
 @pytest.mark.parametrize("overrides, message", [
     (["agents.a.model=/no/such/model"], "agents.a.model: '/no/such/model' not found"),
-    (["agents.carol.model=builtin:tiny"], "a resumed run keeps its agents (a, b); the overrides make them a, b, carol"),
+    (["agents.carol.model=builtin:tiny", "roles.assignment.r2=carol"],
+     "a resumed run keeps its agents (a, b); the overrides make them a, b, carol"),
     (["train.steps=2"], "train.steps=2 is below the 3 steps"),
 ], ids=["model_missing", "new_agent", "fewer_steps"])
 def test_a_refused_resume_leaves_the_run_as_it_was(finished, tmp_path, overrides, message):
