@@ -91,7 +91,7 @@ class AgentTrainer:
     def generate(self, request: GenerateRequest) -> GenerateResult:
         start = time.perf_counter()
         gen = self.agent.generation
-        temperature = request.temperature or gen.temperature
+        temperature = gen.temperature if request.temperature is None else request.temperature
         prompts = [self.encode_prompt(p) for p in request.prompts]
         prompt_ids, prompt_mask = _left_pad([ids for ids, _ in prompts], self.tokenizer.pad_token_id, self.device)
         generator = torch.Generator(self.device).manual_seed(request.seed)

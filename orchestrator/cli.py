@@ -1,4 +1,4 @@
-"""`marsi run | resume | validate | schema | plot`."""
+"""`marsi run | resume | validate | eval | schema | plot`."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("schema", help="print the config's JSON schema")
     p = sub.add_parser("plot", help="write PNG curves of a run")
     p.add_argument("run_dir")
+    p = sub.add_parser("eval", help="evaluate a run's checkpoints (or a config's initial models) on the eval set")
+    p.add_argument("target", help="a run directory, or a config file (its initial models)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value over the stored config, e.g. eval.episodes_per_sample=4")
+    p.add_argument("--checkpoint", default=None, help="initial | last | all | step-N (default: last; initial for a config)")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="evaluate A and B (initial, last, step-N) and print "
+                   "B - A with a 95%% confidence interval")
     args, rest = parser.parse_known_args(argv)
     if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
         args.overrides += rest  # overrides given after options
@@ -99,7 +105,7 @@ def _train(coord, started: bool) -> int:
         coord.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    rows = coord.log.metrics()
+    rows = [r for r in coord.log.metrics() if "reward/mean" in r]  # training rows (evaluation rows aside)
     if signals:
         print(f"marsi: stopped at step {coord.state.step}; continue with: marsi resume {coord.log.dir}", file=sys.stderr)
         return 128 + signals[0]
@@ -181,6 +187,81 @@ def _acting_roles(coordinator, env) -> dict[int, set[str]]:
     return acting
 
 
+def cmd_eval(args) -> int:
+    """Evaluate checkpoints of a run (or a config's initial models); a run directory gets eval.jsonl rows."""
+    from orchestrator.coordinator import Coordinator
+    from orchestrator.evaluation import compare
+    from orchestrator.runlog import RunLog
+    from protocols.config import ConfigError
+
+    target = Path(args.target)
+    is_run = target.is_dir()
+    config = load_config(target / "config.yaml" if is_run else target, args.overrides + ["train.progress=false"])
+    if config.eval is None:
+        raise ConfigError(f"{args.target}: the config has no eval: section; add one (or eval.data.path=... as an override)")
+    log = RunLog(target) if is_run else None
+    names = args.compare or _checkpoint_names(args.checkpoint or ("last" if is_run else "initial"), log)
+    if not is_run and set(names) != {"initial"}:
+        raise ConfigError(f"{args.target}: a config has only initial models to evaluate; give a run directory for checkpoints")
+    results = {}
+    with Coordinator(config) as coord:
+        for name in sorted(names, key=lambda n: n != "initial"):  # initial first: the trainers start there
+            if name != "initial":
+                coord.load_weights(_checkpoint_path(name, log))
+            result = coord.evaluation.run(coord.generate, coord.assignment)
+            results[name] = result
+            if log is not None:
+                log.log_eval({"checkpoint": name, "time": time.time(), **result.metrics, "rewards": result.rewards})
+    _print_eval_table(results)
+    if args.compare:
+        a, b = args.compare
+        c = compare(results[a].rewards[""], results[b].rewards[""])
+        verdict = "distinguishable from noise" if c["distinguishable"] else "NOT distinguishable from noise"
+        print(f"reward/mean {b} - {a}: {c['difference']:+.4f} (95% CI {c['low']:+.4f} .. {c['high']:+.4f}; "
+              f"{a} {c['before']:.4f}, {b} {c['after']:.4f}; {c['episodes']} paired episodes): {verdict}")
+    return 0
+
+
+def _checkpoint_names(which: str, log) -> list[str]:
+    if which == "all":
+        return ["initial"] + ([p.name for p in log.checkpoints()] if log else [])
+    return [which]
+
+
+def _checkpoint_path(name: str, log) -> Path:
+    from protocols.config import ConfigError
+
+    found = {p.name: p for p in log.checkpoints()}
+    if name == "last":
+        if not found:
+            raise ConfigError(f"{log.dir}: no complete checkpoint to evaluate")
+        return max(found.values(), key=lambda p: int(p.name[5:]))
+    if name not in found:
+        raise ConfigError(f"{log.dir}: no checkpoint {name!r}; have initial, last, "
+                          f"{', '.join(found) or '(none)'}")
+    return found[name]
+
+
+def _print_eval_table(results) -> None:
+    """One row per checkpoint and setting (as trained, then each partner label), mean ± standard error."""
+    rows = []
+    for name, result in results.items():
+        for label in result.rewards:
+            prefix = f"eval/{label}/" if label else "eval/"
+            metrics = {k.removeprefix(prefix): v for k, v in result.metrics.items()
+                       if k.startswith(prefix) and (label or not _partner_key(k, result))}
+            rows.append((f"{name} {label}".strip(), metrics))
+    keys = sorted({k for _, m in rows for k in m if not k.endswith(("/stderr", "episodes"))})
+    print(f"{'evaluation':28s} {'episodes':>8s}  " + "  ".join(f"{k:>20s}" for k in keys))
+    for title, m in rows:
+        cells = [f"{m[k]:.3f} ± {m.get(k + '/stderr', 0.0):.3f}" if k in m else "-" for k in keys]
+        print(f"{title:28s} {int(m.get('episodes', 0)):8d}  " + "  ".join(f"{c:>20s}" for c in cells))
+
+
+def _partner_key(key: str, result) -> bool:
+    return any(label and key.startswith(f"eval/{label}/") for label in result.rewards)
+
+
 def cmd_schema(args) -> int:
     print(json.dumps(RunConfig.model_json_schema(), indent=2))
     return 0
@@ -194,7 +275,8 @@ def cmd_plot(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "resume": cmd_resume, "validate": cmd_validate, "schema": cmd_schema, "plot": cmd_plot}
+COMMANDS = {"run": cmd_run, "resume": cmd_resume, "validate": cmd_validate, "eval": cmd_eval, "schema": cmd_schema,
+            "plot": cmd_plot}
 
 if __name__ == "__main__":
     sys.exit(main())

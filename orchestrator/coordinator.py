@@ -21,6 +21,7 @@ from agent_trainer.models import architecture_mismatch
 from orchestrator import rollout
 from orchestrator.advantages import experiences_by_agent
 from orchestrator.data import DataPosition, load_samples, next_batch
+from orchestrator.evaluation import Evaluation, partner_agents
 from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, read_checkpoint_state
 from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
 from protocols.config import ConfigError, RunConfig, load_config
@@ -58,12 +59,14 @@ class Coordinator:
         self.resuming = resume
         self.schedule = Schedule(config.schedule, list(config.agents))
         self.assignment = RoleAssignment(config.roles)
-        self.make_env = _env_factory(config.environment.name, config.environment.kwargs)
+        self.make_env = rollout.env_factory(config.environment.name, config.environment.kwargs)
         env = rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
         problem = seating_problem(config.roles, env.possible_agents)
         if problem:
             raise ConfigError(problem)
         self.samples = load_samples(config.data)
+        self.evaluation = Evaluation(config, self.samples) if config.eval else None
+        self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging) if run_dir is not None else None
         self.trainers = None
@@ -103,12 +106,17 @@ class Coordinator:
             self.log.snapshot_sources([self.config.environment.name, self.config.data.factory])
 
     def _start_trainers(self):
-        updates = {a: self.schedule.updates(a, self.config.train.steps) for a in self.config.agents}
-        if self.config.ray.enabled:
+        config = self.config
+        if self.partners:  # partner trainers come last, so the agents' own seeds and indices stay as they are
+            frozen = config.schedule.model_copy(update={"frozen": [*config.schedule.frozen, *self.partners]})
+            config = config.model_copy(update={"agents": {**config.agents, **self.partners}, "schedule": frozen})
+        updates = {a: self.schedule.updates(a, self.config.train.steps) if a in self.config.agents else 0
+                   for a in config.agents}
+        if config.ray.enabled:
             from agent_trainer.actor import RayTrainers
 
-            return RayTrainers(self.config, updates)
-        return LocalTrainers(self.config, updates)
+            return RayTrainers(config, updates)
+        return LocalTrainers(config, updates)
 
     def close(self) -> None:
         if self.trainers is not None:
@@ -158,7 +166,7 @@ class Coordinator:
 
     def _known(self, agents, action: str) -> None:
         for agent in agents:
-            if agent not in self.config.agents:
+            if agent not in self.config.agents and (action == "train" or agent not in self.partners):
                 raise ConfigError(f"{action}: agent {agent!r} is not defined; defined agents: "
                                   f"{', '.join(self.config.agents)}")
             if action == "train" and agent in self.config.schedule.frozen:
@@ -166,11 +174,13 @@ class Coordinator:
                                   "remove it from schedule.frozen to train it")
 
     # -------------------------------------------------------------------------------- primitives
-    def generate(self, prompts: dict[str, list[Prompt]], seed: int) -> dict[str, list[Completion]]:
-        """Completions for each agent's prompts: one request per agent, all agents at once."""
+    def generate(self, prompts: dict[str, list[Prompt]], seed: int,
+                 temperature: float | None = None) -> dict[str, list[Completion]]:
+        """Completions for each agent's prompts: one request per agent, all agents at once. `temperature`
+        overrides the agents' own (0: greedy); completions carry the temperature they were drawn at."""
         self._known(prompts, "generate")
         start = time.perf_counter()
-        requests = {a: {"request": GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a))}
+        requests = {a: {"request": GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a), temperature=temperature)}
                     for a, p in prompts.items() if p}
         results = self.trainers.call("generate", requests, timeout=self.config.train.call_timeout_s)
         self._seconds["generate"] += time.perf_counter() - start
@@ -292,9 +302,40 @@ class Coordinator:
         """Stop at the next safe point (after the current step), with a checkpoint."""
         self.stop_requested = True
 
-    def parameters_digests(self) -> dict[str, str]:
-        return self.trainers.call("parameters_digest", {a: {} for a in self.config.agents},
+    def parameters_digests(self, agents: list[str] | None = None) -> dict[str, str]:
+        """SHA-256 of each agent's weights (every agent by default; partner trainers by name)."""
+        return self.trainers.call("parameters_digest", {a: {} for a in agents or self.config.agents},
                                   timeout=self.config.train.call_timeout_s)
+
+    def load_weights(self, checkpoint: str | Path) -> None:
+        """Load every agent's weights from an intact checkpoint, leaving the coordinator's own state as it is."""
+        problem = checkpoint_problem(Path(checkpoint))
+        if problem:
+            raise FileNotFoundError(f"checkpoint {checkpoint} cannot be loaded: {problem}")
+        self.trainers.call("load", {a: {"path": str(Path(checkpoint) / "agents" / a)} for a in self.config.agents},
+                           timeout=self.config.train.checkpoint_timeout_s)
+
+    def _evaluated(self) -> bool:
+        """Whether the run's records already hold an evaluation of the current step."""
+        return self.log is not None and any(r["step"] == self.state.step and "eval/reward/mean" in r
+                                            for r in self.log.metrics())
+
+    def _with_recovery(self, fn):
+        while True:
+            try:
+                return fn()
+            except TrainerFailure as failure:
+                self.recover(failure)
+
+    def evaluate(self) -> dict[str, float]:
+        """Run the held-out evaluation now at the current weights; logs an `eval/` row for this step."""
+        if self.evaluation is None:
+            raise ConfigError("evaluate(): the config has no eval: section")
+        result = self.evaluation.run(self.generate, self.assignment)
+        row = {"step": self.state.step, **result.metrics}
+        if self.log is not None:
+            self.log.log_metrics(row)
+        return row
 
     # -------------------------------------------------------------------------------------- run
     def run(self, until: int | None = None) -> list[dict[str, Any]]:
@@ -302,11 +343,10 @@ class Coordinator:
         the metrics of the steps run here. A dead or hung trainer is restarted from the last checkpoint."""
         cfg = self.config.train
         until = cfg.steps if until is None else min(until, cfg.steps)
-        while self.log is not None and self.log.latest_checkpoint() is None:
-            try:
-                self._save_checkpoint()  # step 0: something to restart from
-            except TrainerFailure as failure:
-                self.recover(failure)
+        if self.log is not None and self.log.latest_checkpoint() is None:
+            self._with_recovery(self._save_checkpoint)  # step 0: something to restart from
+        if self.evaluation is not None and self.evaluation.due(self.state.step) and not self._evaluated():
+            self._with_recovery(self.evaluate)  # before the first step, or one a kill cut short
         bar = _progress(self.state.step, until, cfg.progress)
         history, failed_at = [], None
         while self.state.step < until and not self.stop_requested:
@@ -340,6 +380,9 @@ class Coordinator:
                 if self.log is not None:
                     self.log.log_metrics(metrics)
                     self.log.log_transcripts(self.state.step, [e.transcript() for e in episodes[:cfg.transcripts_per_step]])
+                # evaluate (before the checkpoint: a kill during it replays the step and the evaluation)
+                if self.evaluation is not None and self.evaluation.due(self.state.step):
+                    self.evaluate()
                 # checkpoint
                 every = cfg.checkpoint_every
                 at_end = self.state.step == cfg.steps or self.stop_requested
@@ -390,17 +433,6 @@ def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
 
 class RunFailed(RuntimeError):
     """The run stopped: a trainer kept failing or could not be restarted; names the last good checkpoint."""
-
-
-def _env_factory(spec: str, kwargs: dict[str, Any]):
-    """A no-argument constructor of the configured environment, named for error messages by its spec."""
-    env_cls = import_object(spec)
-
-    def make_env():
-        return env_cls(**kwargs)
-
-    make_env.__name__ = f"environment.name {spec}"
-    return make_env
 
 
 def say(message: str) -> None:

@@ -19,10 +19,11 @@ class DataError(UserError, ValueError):
 _FILE_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_samples(config: DataConfig) -> list[dict[str, Any]]:
+def load_samples(config: DataConfig, key: str = "data") -> list[dict[str, Any]]:
+    """The samples of a data section (`key` names it in errors: `data` or `eval.data`)."""
     import datasets
 
-    key = "data.path" if config.path is not None else "data.factory" if config.factory is not None else "data.hub"
+    key += ".path" if config.path is not None else ".factory" if config.factory is not None else ".hub"
     try:
         if config.path is not None and Path(config.path).is_dir():  # written by Dataset(Dict).save_to_disk
             dataset = datasets.load_from_disk(config.path)

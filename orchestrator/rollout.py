@@ -77,10 +77,15 @@ def derive_seed(*parts: Any) -> int:
 GenerateFn = Callable[[dict[str, list[Prompt]], int], dict[str, list[Completion]]]
 
 
+SCRIPTED = "<scripted>"
+"""The seat of a role the environment answers itself (`Environment.scripted_action`), in evaluations."""
+
+
 def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num_generations: int,
          assignment: Callable[[int, int], dict[str, str]], generate: GenerateFn, *, seed: int,
          first_episode: int) -> list[Episode]:
-    """Play `num_generations` episodes per sample until all end; one batched generate per turn for all agents."""
+    """Play `num_generations` episodes per sample until all end; one batched generate per turn for all agents.
+    A role seated to `SCRIPTED` is answered by its episode's `env.scripted_action`."""
     episodes = []
     for s, sample in enumerate(samples):
         for g in range(num_generations):
@@ -102,8 +107,12 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
                     raise EnvironmentFault(f"episode {episode.index} turn {turn}: role {role!r} has no agent in "
                                            f"roles.assignment ({', '.join(seats)}); seat every role the environment uses")
                 wanted.setdefault(seats[role], []).append((episode, role, prompt))
+        scripted = wanted.pop(SCRIPTED, [])
         completions = generate({agent: [p for _, _, p in items] for agent, items in wanted.items()},
                                derive_seed(seed, first_episode, turn))
+        if scripted:
+            wanted[SCRIPTED] = scripted
+            completions[SCRIPTED] = [_scripted(episode, turn, role, prompt) for episode, role, prompt in scripted]
         # answers go back to their episodes
         actions: dict[tuple[int, str], Action] = {}
         for agent, items in wanted.items():
@@ -131,6 +140,25 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
                 episode.info = {k: float(v) for k, v in info.items()}
         turn += 1
     return episodes
+
+
+def _scripted(episode: Episode, turn: int, role: str, prompt: Prompt) -> Completion:
+    text = _guard(episode, turn, "scripted_action", lambda: episode.env.scripted_action(role, prompt))
+    _check(episode, turn, "scripted_action", None if isinstance(text, str) else f"must return text, got {text!r:.60}")
+    return Completion(text=text, prompt_ids=[], completion_ids=[], per_token_logps=[], finish_reason="stop")
+
+
+def env_factory(spec: str, kwargs: dict[str, Any]) -> Callable[[], Environment]:
+    """A no-argument constructor of the environment `spec` names, named for error messages by its spec."""
+    from protocols.imports import import_object
+
+    env_cls = import_object(spec)
+
+    def make_env():
+        return env_cls(**kwargs)
+
+    make_env.__name__ = f"environment.name {spec}"
+    return make_env
 
 
 def make_environment(make_env: Callable[[], Environment]) -> Environment:

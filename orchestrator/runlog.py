@@ -172,6 +172,11 @@ class RunLog:
         for sink in self.sinks:
             sink(metrics)
 
+    def log_eval(self, row: dict[str, Any]) -> None:
+        """Append one `marsi eval` result to eval.jsonl (only `marsi eval` writes it, so a live run is left alone)."""
+        with open(self.dir / "eval.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
     def log_transcripts(self, step: int, transcripts: list[dict[str, Any]]) -> None:
         with open(self.dir / "transcripts.jsonl", "a") as f:
             for t in transcripts:

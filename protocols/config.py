@@ -197,6 +197,39 @@ class DataConfig(_Strict):
         return self
 
 
+class EvalConfig(_Strict):
+    data: DataConfig
+    """Held-out samples (path, factory or hub, with split); none may also be a training sample."""
+    every: int = Field(0, ge=0)
+    """Evaluate every this many steps; always before the first step and after the last. 0: only those two."""
+    episodes_per_sample: int = Field(1, ge=1)
+    """Episodes played from each held-out sample (pass@k needs k of them)."""
+    max_samples: int | None = Field(None, ge=1)
+    """Evaluate on the first this many held-out samples; None: all."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature of evaluation episodes; 0 decodes greedily."""
+    environment_kwargs: dict[str, Any] = {}
+    """Environment kwargs for evaluation, over `environment.kwargs` (e.g. {opponent: random})."""
+    pass_k: list[int] = []
+    """k values of pass@k over each sample's episodes (unbiased estimator), where episodes report `success`."""
+    partners: dict[str, dict[str, str]] = {}
+    """Extra evaluations, label -> {agent: `initial` | `scripted` | a checkpoint or model directory}: that agent
+    plays at its initial weights, as the environment's scripted player, or with those weights; the others as trained."""
+    seed: int | None = None
+    """Seed of evaluation episodes (the same at every evaluation, so curves compare like with like); None: train.seed."""
+
+    @model_validator(mode="after")
+    def _checks(self) -> EvalConfig:
+        for k in self.pass_k:
+            if not 1 <= k <= self.episodes_per_sample:
+                raise ValueError(f"eval.pass_k: k={k} needs 1 <= k <= eval.episodes_per_sample "
+                                 f"({self.episodes_per_sample}); raise episodes_per_sample or drop k")
+        for label in self.partners:
+            if not label or not all(c.isalnum() or c in "_-" for c in label):
+                raise ValueError(f"eval.partners: label {label!r} must be letters, digits, '_' or '-' (it names metrics)")
+        return self
+
+
 class TrainConfig(_Strict):
     steps: int = Field(10, ge=1)
     """Training steps."""
@@ -265,6 +298,8 @@ class RunConfig(_Strict):
     """Optional metric sinks."""
     ray: RayConfig = RayConfig()
     """Ray cluster settings."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation during the run and for `marsi eval`; None: none."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
@@ -313,6 +348,8 @@ class RunConfig(_Strict):
                 f"train.num_generations: group-relative advantages need at least 2 episodes per group "
                 f"(got {self.train.num_generations}); set train.num_generations >= 2 or algorithm.baseline=ema"
             )
+        for label, held in (self.eval.partners if self.eval else {}).items():
+            known(f"eval.partners.{label}", list(held))
         distinct = len({tuple(sorted(seating.items())) for seating in seatings})
         if (self.algorithm.baseline == "group" and self.roles.rotation == "per_episode" and distinct > 1
                 and "role" in self.algorithm.group_by and self.train.num_generations // distinct < 2):
@@ -470,10 +507,28 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
     # Paths relative to the config file become absolute (and ~ is expanded), so the resolved config stands alone.
     base = Path(source).resolve().parent if str(source) != "<config>" else Path.cwd()
     config.environment.name = absolute_spec(config.environment.name, base)
-    if config.data.factory is not None:
-        config.data.factory = absolute_spec(config.data.factory, base)
-    if config.data.path is not None:
-        config.data.path = str((base / Path(config.data.path).expanduser()).resolve())
+    for key, data in (("data", config.data), ("eval.data", config.eval.data if config.eval else None)):
+        if data is None:
+            continue
+        if data.factory is not None:
+            data.factory = absolute_spec(data.factory, base)
+        if data.path is not None:
+            data.path = str((base / Path(data.path).expanduser()).resolve())
+        if check_imports and data.path is not None and not Path(data.path).exists():
+            raise ConfigError(f"{source}: {key}.path: file {data.path!r} not found; fix the path")
+        if check_imports and data.factory is not None:
+            try:
+                import_object(data.factory)
+            except ImportPathError as exc:
+                raise ConfigError(f"{source}: {key}.factory: {exc}") from None
+    for label, held in (config.eval.partners if config.eval else {}).items():
+        for agent, source_weights in held.items():
+            if source_weights not in ("initial", "scripted"):
+                local = (base / Path(source_weights).expanduser()).resolve()
+                if check_imports and not local.is_dir():
+                    raise ConfigError(f"{source}: eval.partners.{label}.{agent}: {str(local)!r} is not a directory; give "
+                                      "initial, scripted, or a checkpoint or model directory")
+                held[agent] = str(local)
     for name, agent in config.agents.items():
         for key in ("model", "tokenizer"):
             value = getattr(agent, key)
@@ -486,14 +541,9 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
                                       "directory (relative to the config file), a hub id, or a built-in")
                 setattr(agent, key, str(local))
     if check_imports:
-        for key, spec in (("environment.name", config.environment.name), ("data.factory", config.data.factory)):
-            if spec is None:
-                continue
-            try:
-                import_object(spec)
-            except ImportPathError as exc:
-                raise ConfigError(f"{source}: {key}: {exc}") from None
-        if config.data.path is not None and not Path(config.data.path).exists():
-            raise ConfigError(f"{source}: data.path: file {config.data.path!r} not found; fix the path")
+        try:
+            import_object(config.environment.name)
+        except ImportPathError as exc:
+            raise ConfigError(f"{source}: environment.name: {exc}") from None
     return config
 

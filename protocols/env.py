@@ -53,8 +53,14 @@ class Environment(abc.ABC):
         """Apply one text action per acting role; never raise on bad model text (report it in infos)."""
 
     def episode_info(self) -> dict[str, Any]:
-        """Scalar metrics of the finished episode (accuracy, win, legal-move rate); logged per episode."""
+        """Scalar metrics of the finished episode (accuracy, win, legal-move rate); logged per episode.
+        A `success` entry (1 or 0) marks a solved episode: evaluation reports its rate and pass@k."""
         return {}
+
+    def scripted_action(self, role: str, prompt: Prompt) -> str:
+        """An answer for `role` from a player the environment scripts (a random or rule-based opponent), for
+        evaluations that seat it (`eval.partners: {label: {agent: scripted}}`). Optional."""
+        raise NotImplementedError(f"{type(self).__name__} has no scripted player (define scripted_action)")
 
 
 # ------------------------------------------------------------------------------------- contract checks

@@ -32,8 +32,8 @@ class GenerateRequest(_Message):
     """Seeds the sampling, so a request replays exactly."""
     max_completion_length: int | None = Field(None, ge=1)
     """Overrides the agent's setting for this request."""
-    temperature: float | None = Field(None, gt=0.0)
-    """Overrides the agent's setting for this request."""
+    temperature: float | None = Field(None, ge=0.0)
+    """Overrides the agent's setting for this request; 0 decodes greedily (evaluation)."""
 
 
 class Completion(_Message):
