@@ -357,8 +357,8 @@ class Coordinator:
                 epoch = self.state.data.epoch
                 samples = next_batch(self.samples, cfg.batch_size, self.state.data, cfg.seed, self.config.data.shuffle)
                 if self.state.data.epoch != epoch:
-                    say(f"data: all {len(self.samples)} samples used; epoch {self.state.data.epoch + 1} starts"
-                        + (" (reshuffled)" if self.config.data.shuffle else ""))
+                    self.warn_once("data", "epoch", f"data: all {len(self.samples)} samples used; going round again"
+                                   f"{' (reshuffled each epoch)' if self.config.data.shuffle else ''}; data/epoch counts")
                 episodes = self.play(samples)
                 # advantages
                 experiences = experiences_by_agent(episodes, self.config.algorithm, self.state.baselines)

@@ -38,7 +38,8 @@ def partner_agents(config: RunConfig) -> dict[str, AgentConfig]:
         for agent, weights in held.items():
             if weights != "scripted":
                 model = config.agents[agent].model if weights == "initial" else _model_dir(weights)
-                out[f"{agent}{PARTNER}{label}"] = config.agents[agent].model_copy(update={"model": model})
+                out[f"{agent}{PARTNER}{label}"] = config.agents[agent].model_copy(
+                    update={"model": model, "resources": config.eval.partner_resources})
     return out
 
 

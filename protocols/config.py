@@ -215,6 +215,9 @@ class EvalConfig(_Strict):
     partners: dict[str, dict[str, str]] = {}
     """Extra evaluations, label -> {agent: `initial` | `scripted` | a checkpoint or model directory}: that agent
     plays at its initial weights, as the environment's scripted player, or with those weights; the others as trained."""
+    partner_resources: ResourcesConfig = ResourcesConfig(num_cpus=0.1)
+    """Resources of each partner's trainer (a frozen copy of its agent's model that only generates); on GPUs
+    give it a share, e.g. {num_gpus: 0.2}."""
     seed: int | None = None
     """Seed of evaluation episodes (the same at every evaluation, so curves compare like with like); None: train.seed."""
 

@@ -84,3 +84,15 @@ def test_custom_coordinator_script_runs_and_resumes_exactly(tmp_path):
     rest = script(3, run_dir, cwd=tmp_path / "cut")
     assert first[:2] + rest[:1] == whole[:3]  # the same rewards and losses, step for step
     assert rest[1].split("reward_ema:")[1] == whole[3].split("reward_ema:")[1]  # and the loop's own state
+
+
+@pytest.mark.parametrize("config_path", sorted(EXAMPLES.glob("*/config.yaml")) + [EXAMPLES / "rsi" / "verifier.yaml"],
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_example_evaluates_on_held_out_samples(config_path):
+    from orchestrator.data import load_samples
+    from orchestrator.evaluation import Evaluation
+
+    config = load_config(config_path)
+    assert config.eval is not None, "every example has an eval: section"
+    evaluation = Evaluation(config, load_samples(config.data))  # refuses an eval sample that is a training one
+    assert len(evaluation.samples) >= 4

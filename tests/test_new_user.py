@@ -93,11 +93,11 @@ def test_a_dataset_saved_with_save_to_disk_loads_through_data_path(tmp_path):
 
 
 def test_data_that_runs_out_is_said_and_counted(tmp_path, capfd):
-    raw = config(train={"steps": 3, "batch_size": 3})  # 8 samples, 3 per step: the third step wraps
+    raw = config(train={"steps": 6, "batch_size": 3})  # 8 samples, 3 per step: steps 3 and 6 wrap
     with Coordinator(validate_config(raw)) as coord:
         history = coord.run()
-    assert [round(m["data/epoch"], 3) for m in history] == [0.375, 0.75, 1.125]
-    assert capfd.readouterr().err.count("data: all 8 samples used; epoch 2 starts (reshuffled)") == 1
+    assert [round(m["data/epoch"], 3) for m in history] == [0.375, 0.75, 1.125, 1.5, 1.875, 2.25]
+    assert capfd.readouterr().err.count("data: all 8 samples used; going round again (reshuffled each epoch)") == 1
 
 
 def test_a_run_that_fails_before_its_first_step_leaves_no_directory(tmp_path):
