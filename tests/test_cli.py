@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -12,8 +13,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
+from orchestrator.cli import build_parser, main
+from protocols.config import ConfigError
 from tests.envs import config
 
 MARSI = [sys.executable, "-m", "orchestrator.cli"]
@@ -145,3 +149,28 @@ def test_overrides_may_follow_options(tmp_path):
     out = marsi("validate", write(tmp_path, config(train={"steps": 5})), "--steps", "3", "train.steps=1")
     assert out.returncode == 0, out.stderr
     assert "step 0:" in out.stdout and "step 1:" not in out.stdout
+
+
+def test_debug_shows_the_traceback_before_or_after_the_subcommand(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    for argv in (["--debug", "run", str(missing)], ["run", str(missing), "--debug"],
+                 ["run", str(missing), "train.steps=1", "--debug"], ["validate", "--debug", str(missing)]):
+        with pytest.raises(ConfigError, match="cannot read config"):
+            main(argv)
+    assert main(["run", str(missing)]) == 2
+    assert capsys.readouterr().err == (f"marsi: error: {missing}: cannot read config (No such file or directory); "
+                                       "check the path\n")
+    out = marsi("plot", tmp_path, "--debug")  # and in a subprocess: the traceback is printed
+    assert out.returncode == 1 and "Traceback (most recent call last)" in out.stderr
+    assert "FileNotFoundError: " in out.stderr and "marsi: error" not in out.stderr
+
+
+def test_every_argument_has_help():
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(subcommands.choices) == ["plot", "resume", "run", "schema", "validate"]
+    for name, sub in [("marsi", parser), *subcommands.choices.items()]:
+        for action in sub._actions:
+            assert action.help and action.help != argparse.SUPPRESS, f"{name} {action.dest}: no help text"
+        assert any(a.dest == "debug" for a in sub._actions), f"{name}: no --debug"
+    assert {a.dest for a in subcommands._choices_actions} == set(subcommands.choices)  # each subcommand has help
