@@ -144,7 +144,7 @@ def cmd_schema(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from orchestrator.runlog import plot
+    from orchestrator.plot import plot
 
     for path in plot(args.run_dir):
         print(path)

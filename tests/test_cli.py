@@ -105,7 +105,7 @@ def test_plot_writes_pngs(tmp_path):
                                                + "\n" for s in range(1, 5)))
     out = marsi("plot", run)
     assert out.returncode == 0, out.stderr
-    for name in ("reward.png", "loss.png"):
+    for name in ("plot.png", "reward.png", "loss.png"):
         assert (run / name).read_bytes()[:4] == b"\x89PNG"
 
 
