@@ -12,6 +12,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from agent_trainer import reaper
 from protocols.config import RayConfig, RunConfig
 from protocols.errors import UserError, describe, one_line
 
@@ -39,7 +40,8 @@ def quiet_ray_startup() -> None:
 
 
 def init_ray(config: RayConfig) -> bool:
-    """Join `config.address` or RAY_ADDRESS when set, else start a local cluster; False if Ray was already up."""
+    """Join `config.address` or RAY_ADDRESS when set, else start a local cluster, watched so that it ends with
+    this process however this process ends (agent_trainer/reaper.py); False if Ray was already up."""
     if ray.is_initialized():
         return False
     quiet_ray_startup()
@@ -48,7 +50,9 @@ def init_ray(config: RayConfig) -> bool:
         ray.init(address=address, logging_level="WARNING")
         print(f"marsi: joined the Ray cluster at {address}", file=sys.stderr)
     else:
-        ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False, logging_level="WARNING")
+        context = ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False,
+                           logging_level="WARNING")
+        reaper.watch(context.address_info["session_dir"])  # ends the cluster if this process is killed
     return True
 
 
