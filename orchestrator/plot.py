@@ -6,13 +6,14 @@
 
 Panels: the shared reward (mean with a +-1 std band, and each role's reward in zero-sum games); each
 agent's loss; each `episode/*` metric, with `turns/mean` and `invalid_rate`; the `eval/*` metrics, one
-panel per group (`eval/reward/mean` and `eval/reward/ROLE` share `eval/reward`). The x axis is the
-step, with integer ticks.
+panel per group (`eval/reward/mean` and `eval/reward/ROLE` share `eval/reward`), with error bars where
+a `KEY/stderr` is logged beside `KEY`. The x axis is the step, with integer ticks.
 
-A per-step curve has a gap, not a line, across steps without a value. An agent's loss has a value only
-at the steps it trained (the row's `trained` list), so an agent that sits out steps (alternating
-schedules) is drawn as separate segments or points. Eval metrics, logged every few steps, are joined
-from one eval to the next.
+Training curves are drawn from the training rows; a row that holds only `eval/` metrics (an evaluation
+logged as a row of its own) feeds the eval panels alone. A training curve has a gap, not a line, across
+steps without a value. An agent's loss has a value only at the steps it trained (the row's `trained`
+list), so an agent that sits out steps (alternating schedules) is drawn as separate segments or points.
+Eval metrics, logged every few steps, are joined from one evaluation to the next.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Series:
     label: str
     steps: list[int]
     values: list[float]
+    errors: list[float] | None = None  # +- this much, drawn as error bars
 
 
 @dataclass
@@ -64,9 +66,22 @@ def agent_series(rows: list[dict[str, Any]], key: str, agent: str) -> Series:
 
 
 def sparse(rows: list[dict[str, Any]], key: str, label: str) -> Series:
-    """`key` at the steps that logged it, joined from one to the next (eval metrics)."""
-    pts = [(r["step"], _number(r[key])) for r in rows if key in r]
-    return Series(label, [s for s, _ in pts], [v for _, v in pts])
+    """`key` at the steps that logged it, joined from one to the next, with `key/stderr` as its error bars
+    when logged (eval metrics)."""
+    picked = [r for r in rows if key in r]
+    errors = [_number(r.get(f"{key}/stderr")) for r in picked]
+    return Series(label, [r["step"] for r in picked], [_number(r[key]) for r in picked],
+                  errors if any(not math.isnan(e) for e in errors) else None)
+
+
+def _training_row(row: dict[str, Any]) -> bool:
+    """Whether a row holds training metrics: anything besides `step` and `eval/` keys."""
+    return any(k != "step" and not k.startswith("eval/") for k in row)
+
+
+def _eval_value_key(key: str) -> bool:
+    """An `eval/` key to draw: not a standard error (drawn as error bars) nor an episode count."""
+    return key.startswith("eval/") and not key.endswith(("/stderr", "/episodes"))
 
 
 def _keys(rows: list[dict[str, Any]], prefix: str) -> list[str]:
@@ -90,11 +105,12 @@ def loss_panel(rows: list[dict[str, Any]]) -> Panel:
 
 def panels(rows: list[dict[str, Any]]) -> list[Panel]:
     """Every panel of a run's metrics rows, in drawing order."""
-    found = [reward_panel(rows), loss_panel(rows)]
-    for key in [*_keys(rows, "episode/"), *(k for k in _EPISODE_KEYS if any(k in r for r in rows))]:
-        found.append(Panel(key, key.removeprefix("episode/"), [per_step(rows, key, key)]))
+    training = [r for r in rows if _training_row(r)]
+    found = [reward_panel(training), loss_panel(training)]
+    for key in [*_keys(training, "episode/"), *(k for k in _EPISODE_KEYS if any(k in r for r in training))]:
+        found.append(Panel(key, key.removeprefix("episode/"), [per_step(training, key, key)]))
     groups: dict[str, list[str]] = {}
-    for key in _keys(rows, "eval/"):
+    for key in filter(_eval_value_key, _keys(rows, "eval/")):
         groups.setdefault(key.rsplit("/", 1)[0] if key.count("/") > 1 else key, []).append(key)
     for group, keys in groups.items():
         found.append(Panel(group, group.removeprefix("eval/"),
@@ -109,7 +125,11 @@ def draw(ax, panel: Panel) -> None:
     if panel.band is not None:
         ax.fill_between(*panel.band, alpha=0.2, linewidth=0)
     for s in panel.series:
-        ax.plot(s.steps, s.values, marker=".", markersize=3, linewidth=1, label=s.label)
+        if s.errors is None:
+            ax.plot(s.steps, s.values, marker=".", markersize=3, linewidth=1, label=s.label)
+        else:
+            ax.errorbar(s.steps, s.values, yerr=s.errors, marker=".", markersize=3, linewidth=1, capsize=2,
+                        label=s.label)
     ax.set_title(panel.title)
     ax.set_xlabel("step")
     ax.set_ylabel(panel.ylabel)

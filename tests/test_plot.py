@@ -91,3 +91,22 @@ def test_plot_writes_the_figure_and_reads_rows_without_trained(tmp_path):
     for path in written:
         assert path.read_bytes()[:4] == b"\x89PNG"
     assert same(agent_series(rows, "loss/a", "a").values[:2], [1.0, 0.5])
+
+
+def test_evaluation_rows_of_their_own_feed_only_the_eval_panels():
+    rows = [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in alternating_rows(4)]
+    for step in (0, 2, 4):  # an evaluation before the first step and every 2 steps, each a row of its own
+        rows.append({"step": step, "eval/reward/mean": step / 4, "eval/reward/mean/stderr": 0.05,
+                     "eval/episodes": 16, "eval/pass@2": 0.5, "eval/pass@2/stderr": 0.1})
+    rows.sort(key=lambda r: r["step"])
+    found = by_title(panels(rows))
+    mean = found["reward"].series[0]
+    assert mean.steps == [1, 2, 3, 4] and not any(math.isnan(v) for v in mean.values)  # no gap at eval rows
+    assert found["loss per agent"].series[0].steps == [1, 2, 3, 4]
+    evals = found["eval/reward"].series[0]
+    assert (evals.label, evals.steps, evals.values, evals.errors) == ("mean", [0, 2, 4], [0.0, 0.5, 1.0],
+                                                                     [0.05, 0.05, 0.05])
+    assert found["eval/pass@2"].series[0].errors == [0.1, 0.1, 0.1]
+    assert not any("episodes" in title or "stderr" in title for title in found)
+    fig = figure(list(found.values()))
+    plt.close(fig)
