@@ -173,7 +173,7 @@ def test_debug_shows_the_traceback_before_or_after_the_subcommand(tmp_path, caps
 def test_every_argument_has_help():
     parser = build_parser()
     subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    assert sorted(subcommands.choices) == ["plot", "resume", "run", "schema", "validate"]
+    assert {"plot", "resume", "run", "schema", "validate"} <= set(subcommands.choices)
     for name, sub in [("marsi", parser), *subcommands.choices.items()]:
         for action in sub._actions:
             assert action.help and action.help != argparse.SUPPRESS, f"{name} {action.dest}: no help text"
