@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -11,6 +12,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from agent_trainer import reaper
 from protocols.config import RayConfig, RunConfig
 from protocols.errors import UserError, describe, one_line
 
@@ -19,16 +21,38 @@ class PlacementError(UserError, RuntimeError):
     """The cluster cannot hold the trainers; the message lists what was asked and what is free."""
 
 
+# Ray logs this on every start of a local cluster (and on joining one when a token file exists): a notice that
+# its default, token authentication, is on. marsi leaves that default as it is and drops the notice; Ray's
+# other messages (a warning that authentication is off included) still show.
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+_RAY_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster."
+
+
+def _not_auth_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_RAY_AUTH_NOTICE)
+
+
+def quiet_ray_startup() -> None:
+    """Hide Ray's start-up notice that token authentication is on; nothing about authentication changes."""
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    if _not_auth_notice not in logger.filters:
+        logger.addFilter(_not_auth_notice)
+
+
 def init_ray(config: RayConfig) -> bool:
-    """Join `config.address` or RAY_ADDRESS when set, else start a local cluster; False if Ray was already up."""
+    """Join `config.address` or RAY_ADDRESS when set, else start a local cluster, watched so that it ends with
+    this process however this process ends (agent_trainer/reaper.py); False if Ray was already up."""
     if ray.is_initialized():
         return False
+    quiet_ray_startup()
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, logging_level="WARNING")
         print(f"marsi: joined the Ray cluster at {address}", file=sys.stderr)
     else:
-        ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False, logging_level="WARNING")
+        context = ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False,
+                           logging_level="WARNING")
+        reaper.watch(context.address_info["session_dir"])  # ends the cluster if this process is killed
     return True
 
 

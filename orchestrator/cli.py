@@ -14,30 +14,42 @@ from protocols.config import RunConfig, load_config
 from protocols.errors import UserError, one_line
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `marsi` argument parser; `--debug` is accepted before or after the subcommand."""
     parser = argparse.ArgumentParser(prog="marsi", description="Train several LLM agents together with RL.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="train from a config")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=5")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    common = argparse.ArgumentParser(add_help=False)  # default SUPPRESS: absent here keeps the value given before
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do; marsi COMMAND --help lists its arguments")
+    p = sub.add_parser("run", parents=[common], help="train from a config")
+    p.add_argument("config", help="the run's YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value applied on top of the file, e.g. train.steps=5")
     p.add_argument("--run-dir", help="run directory (default: train.run_dir)")
-    p = sub.add_parser("resume", help="continue a run from its newest checkpoint")
-    p.add_argument("run_dir")
+    p = sub.add_parser("resume", parents=[common], help="continue a run from its newest checkpoint")
+    p.add_argument("run_dir", help="the run directory to continue")
     p.add_argument("overrides", nargs="*", help="change the stored config, e.g. train.steps=400 to extend the run")
-    p = sub.add_parser("validate", help="check a config; print the schedule and role assignment of the first steps")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--steps", type=int, default=6)
-    sub.add_parser("schema", help="print the config's JSON schema")
-    p = sub.add_parser("plot", help="write PNG curves of a run")
-    p.add_argument("run_dir")
-    p = sub.add_parser("eval", help="evaluate a run's checkpoints (or a config's initial models) on the eval set")
+    p = sub.add_parser("validate", parents=[common],
+                       help="check a config; print the schedule and role assignment of the first steps")
+    p.add_argument("config", help="the YAML config file to check")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value applied on top of the file, e.g. train.steps=5")
+    p.add_argument("--steps", type=int, default=6, help="how many steps to print (default: 6)")
+    sub.add_parser("schema", parents=[common], help="print the config's JSON schema")
+    p = sub.add_parser("plot", parents=[common], help="write PNG curves of a run (plot.png, reward.png, loss.png)")
+    p.add_argument("run_dir", help="the run directory whose metrics.jsonl to plot")
+    p = sub.add_parser("eval", parents=[common],
+                       help="evaluate a run's checkpoints (or a config's initial models) on the eval set")
     p.add_argument("target", help="a run directory, or a config file (its initial models)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value over the stored config, e.g. eval.episodes_per_sample=4")
     p.add_argument("--checkpoint", default=None, help="initial | last | all | step-N (default: last; initial for a config)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="evaluate A and B (initial, last, step-N) and print "
                    "B - A with a 95%% confidence interval")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
         args.overrides += rest  # overrides given after options
@@ -268,7 +280,7 @@ def cmd_schema(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from orchestrator.runlog import plot
+    from orchestrator.plot import plot
 
     for path in plot(args.run_dir):
         print(path)

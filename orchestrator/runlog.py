@@ -1,4 +1,4 @@
-"""The run directory: resolved config, metrics.jsonl, transcripts.jsonl, checkpoints, plots.
+"""The run directory: resolved config, metrics.jsonl, transcripts.jsonl, checkpoints (plots: orchestrator/plot.py).
 
     RUN_DIR/config.yaml          the resolved config (relative paths made absolute)
     RUN_DIR/metrics.jsonl        one line per step
@@ -19,7 +19,6 @@ import errno
 import fcntl
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -322,36 +321,6 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [row for _, row in _jsonl_lines(path)]
-
-
-def plot(run_dir: str | Path) -> list[Path]:
-    """PNG curves of the shared reward and each agent's loss; returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    run_dir = Path(run_dir)
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    if not rows:
-        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl rows to plot; is this a run directory?")
-    written = []
-    for key_prefix, title, name in (("reward/", "reward", "reward.png"), ("loss/", "loss per agent", "loss.png")):
-        keys = sorted({k for r in rows for k in r if k.startswith(key_prefix) and k != "reward/std"})
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-            if pts:
-                ax.plot(*zip(*pts), marker=".", label=key.removeprefix(key_prefix))
-        ax.set_xlabel("step")
-        ax.set_title(title)
-        if keys:
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(run_dir / name, dpi=100)
-        plt.close(fig)
-        written.append(run_dir / name)
-    return written
 
 
 def _sinks(logging: LoggingConfig, run_dir: Path) -> list:
