@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="initial | last | all | step-N (default: last; initial for a config)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="evaluate A and B (initial, last, step-N) and print "
                    "B - A with a 95%% confidence interval")
+    p.add_argument("--metric", default="reward/mean", help="what --compare compares, per episode: reward/mean (default) "
+                   "or episode/KEY (e.g. episode/win in a zero-sum game)")
     return parser
 
 
@@ -223,13 +225,16 @@ def cmd_eval(args) -> int:
             result = coord.evaluation.run(coord.generate, coord.assignment)
             results[name] = result
             if log is not None:
-                log.log_eval({"checkpoint": name, "time": time.time(), **result.metrics, "rewards": result.rewards})
+                log.log_eval({"checkpoint": name, "time": time.time(), **result.metrics, "episodes": result.episodes})
     _print_eval_table(results)
     if args.compare:
         a, b = args.compare
-        c = compare(results[a].rewards[""], results[b].rewards[""])
+        if args.metric not in results[a].episodes[""]:
+            raise ConfigError(f"--metric {args.metric}: not reported by every episode; have "
+                              f"{', '.join(results[a].episodes[''])}")
+        c = compare(results[a].episodes[""][args.metric], results[b].episodes[""][args.metric])
         verdict = "distinguishable from noise" if c["distinguishable"] else "NOT distinguishable from noise"
-        print(f"reward/mean {b} - {a}: {c['difference']:+.4f} (95% CI {c['low']:+.4f} .. {c['high']:+.4f}; "
+        print(f"{args.metric} {b} - {a}: {c['difference']:+.4f} (95% CI {c['low']:+.4f} .. {c['high']:+.4f}; "
               f"{a} {c['before']:.4f}, {b} {c['after']:.4f}; {c['episodes']} paired episodes): {verdict}")
     return 0
 
@@ -258,7 +263,7 @@ def _print_eval_table(results) -> None:
     """One row per checkpoint and setting (as trained, then each partner label), mean ± standard error."""
     rows = []
     for name, result in results.items():
-        for label in result.rewards:
+        for label in result.episodes:
             prefix = f"eval/{label}/" if label else "eval/"
             metrics = {k.removeprefix(prefix): v for k, v in result.metrics.items()
                        if k.startswith(prefix) and (label or not _partner_key(k, result))}
@@ -271,7 +276,7 @@ def _print_eval_table(results) -> None:
 
 
 def _partner_key(key: str, result) -> bool:
-    return any(label and key.startswith(f"eval/{label}/") for label in result.rewards)
+    return any(label and key.startswith(f"eval/{label}/") for label in result.episodes)
 
 
 def cmd_schema(args) -> int:

@@ -54,8 +54,9 @@ def _model_dir(path: str) -> str:
 class EvalResult:
     metrics: dict[str, float]
     """Flat `eval/...` metrics of every setting."""
-    rewards: dict[str, list[float]]
-    """Per setting label ("" as trained), each episode's shared reward, in a fixed order (for comparisons)."""
+    episodes: dict[str, dict[str, list[float]]]
+    """Per setting label ("" as trained), per metric (`reward/mean`, `episode/KEY` that every episode reports),
+    each episode's value in a fixed order: what `compare` pairs."""
 
 
 class Evaluation:
@@ -81,7 +82,7 @@ class Evaluation:
 
     def run(self, generate, assignment) -> EvalResult:
         """Play every setting; `generate(prompts, seed, temperature)` is the coordinator's."""
-        metrics, rewards = {}, {}
+        metrics, values = {}, {}
         settings = {"": {}, **self.eval.partners}
         for label, held in settings.items():
             seats = _seated(assignment, held, label)
@@ -90,8 +91,8 @@ class Evaluation:
                                     seed=rollout.derive_seed(self.seed, "eval", label), first_episode=0)
             prefix = f"eval/{label}/" if label else "eval/"
             metrics.update({prefix + k: v for k, v in summarise(episodes, self.eval.pass_k).items()})
-            rewards[label] = [shared_reward(e) for e in episodes]
-        return EvalResult(metrics, rewards)
+            values[label] = per_episode(episodes)
+        return EvalResult(metrics, values)
 
 
 def _seated(assignment, held: dict[str, str], label: str):
@@ -112,6 +113,14 @@ def _row_key(row: dict[str, Any]) -> str:
 def shared_reward(episode: rollout.Episode) -> float:
     total = episode.total_reward()
     return statistics.fmean(total.values()) if isinstance(total, dict) else total
+
+
+def per_episode(episodes: list[rollout.Episode]) -> dict[str, list[float]]:
+    """Each episode's shared reward and every episode_info entry all episodes report, in episode order."""
+    out = {"reward/mean": [shared_reward(e) for e in episodes]}
+    for key in sorted(set.intersection(*(set(e.info) for e in episodes)) if episodes else ()):
+        out[f"episode/{key}"] = [float(e.info[key]) for e in episodes]
+    return out
 
 
 def summarise(episodes: list[rollout.Episode], pass_k: list[int]) -> dict[str, float]:

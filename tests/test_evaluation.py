@@ -137,7 +137,9 @@ def test_marsi_eval_on_a_finished_run_and_on_a_config(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "reward/mean last - initial: " in out.stdout and "95% CI" in out.stdout and "8 paired episodes" in out.stdout
     written = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
-    assert [w["checkpoint"] for w in written] == ["initial", "last"] and len(written[0]["rewards"][""]) == 8
+    assert [w["checkpoint"] for w in written] == ["initial", "last"] and len(written[0]["episodes"][""]["reward/mean"]) == 8
+    out = marsi("eval", tmp_path / "run", "--compare", "initial", "last", "--metric", "episode/hits")
+    assert out.returncode == 0 and "episode/hits last - initial: " in out.stdout, out.stderr
     out = marsi("eval", write(tmp_path, raw, "alone.yaml"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[1].split()[:2] == ["initial", "8"]
