@@ -10,7 +10,7 @@ How it meets the engine contract (`agent_trainer.engines`):
   `logprobs_mode="processed_logprobs"` and `logprobs=0` it returns the sampled token's log-prob under that
   processed, renormalised distribution: marsi's definition (`agent_trainer.sampling`). The model's
   `generation_config.json` is ignored (`generation_config="vllm"`); the stop ids are the learner's
-  (`sampling.stop_token_ids`).
+  (`sampling.stop_token_ids`) and only those (`ignore_eos`, so vLLM adds none of its own).
 - **Seeds.** Each prompt gets its own seed derived from the request's seed and its position, so a request
   replays exactly.
 - **Weight sync.** `sync` feeds the learner's state dict through vLLM's in-place reload (the worker's
@@ -105,7 +105,8 @@ class VLLMEngine:
             raise ValueError("the vllm engine cannot complete an empty prompt; give every prompt at least one token")
         params = [SamplingParams(temperature=temperature, top_k=self.generation.top_k, top_p=self.generation.top_p,
                                  max_tokens=max_new_tokens, seed=row_seed(seed, i), logprobs=0,
-                                 stop_token_ids=self.stop_ids, detokenize=False, skip_special_tokens=False)
+                                 stop_token_ids=self.stop_ids, ignore_eos=True, detokenize=False,
+                                 skip_special_tokens=False)  # ignore_eos: marsi's stop ids are the only ones
                   for i in range(len(prompt_ids))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         rollouts = []
