@@ -11,6 +11,7 @@ How it meets the engine contract (`agent_trainer.engines`):
   processed, renormalised distribution: marsi's definition (`agent_trainer.sampling`). The model's
   `generation_config.json` is ignored (`generation_config="vllm"`); the stop ids are the learner's
   (`sampling.stop_token_ids`) and only those (`ignore_eos`, so vLLM adds none of its own).
+  Temperature 0 decodes greedily, with log-prob 0 for every token, as marsi's loop.
 - **Seeds.** Each prompt gets its own seed derived from the request's seed and its position, so a request
   replays exactly.
 - **Weight sync.** `sync` feeds the learner's state dict through vLLM's in-place reload (the worker's
@@ -115,7 +116,10 @@ class VLLMEngine:
         for output in outputs:
             sample = output.outputs[0]
             ids = list(sample.token_ids)
-            logps = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
+            if temperature == 0:  # greedy: a point mass on the most likely token, log-prob 0 (as marsi's loop)
+                logps = [0.0] * len(ids)
+            else:
+                logps = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
             rollouts.append(Rollout(completion_ids=ids, per_token_logps=logps,
                                     finish_reason="stop" if ids and ids[-1] in self.stop_ids else "length"))
         return rollouts
