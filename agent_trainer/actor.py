@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -11,6 +12,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from agent_trainer import reaper
 from protocols.config import RayConfig, RunConfig
 from protocols.errors import UserError, describe, one_line
 
@@ -19,16 +21,38 @@ class PlacementError(UserError, RuntimeError):
     """The cluster cannot hold the trainers; the message lists what was asked and what is free."""
 
 
+# Ray logs this on every start of a local cluster (and on joining one when a token file exists): a notice that
+# its default, token authentication, is on. marsi leaves that default as it is and drops the notice; Ray's
+# other messages (a warning that authentication is off included) still show.
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+_RAY_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster."
+
+
+def _not_auth_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_RAY_AUTH_NOTICE)
+
+
+def quiet_ray_startup() -> None:
+    """Hide Ray's start-up notice that token authentication is on; nothing about authentication changes."""
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    if _not_auth_notice not in logger.filters:
+        logger.addFilter(_not_auth_notice)
+
+
 def init_ray(config: RayConfig) -> bool:
-    """Join `config.address` or RAY_ADDRESS when set, else start a local cluster; False if Ray was already up."""
+    """Join `config.address` or RAY_ADDRESS when set, else start a local cluster, watched so that it ends with
+    this process however this process ends (agent_trainer/reaper.py); False if Ray was already up."""
     if ray.is_initialized():
         return False
+    quiet_ray_startup()
     address = config.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, logging_level="WARNING")
         print(f"marsi: joined the Ray cluster at {address}", file=sys.stderr)
     else:
-        ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False, logging_level="WARNING")
+        context = ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False,
+                           logging_level="WARNING")
+        reaper.watch(context.address_info["session_dir"])  # ends the cluster if this process is killed
     return True
 
 
@@ -64,7 +88,13 @@ class RayTrainers:
     def __init__(self, config: RunConfig, updates: dict[str, int]):
         from agent_trainer.group import TrainerStartError, num_threads
 
+        from agent_trainer.group import placement_problem
+
         names = list(config.agents)
+        total = ray.cluster_resources()
+        problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), "the Ray cluster")
+        if problem:  # cannot fit at all: say so now rather than after placement_timeout_s
+            raise PlacementError(problem)
         bundles = [{"CPU": a.resources.num_cpus, **({"GPU": a.resources.num_gpus} if a.resources.num_gpus else {})}
                    for a in config.agents.values()]
         self.pg = placement_group(bundles, strategy="PACK")
@@ -86,7 +116,13 @@ class RayTrainers:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                      placement_group_bundle_index=i),
             ).remote(name, config, i, updates[name], num_threads(agent.resources.num_cpus))
-        errors = [i["error"] for i in self.info().values() if i["error"]]  # waits until every trainer is up
+        try:  # waits until every trainer is up
+            errors = [i["error"] for i in self.info(timeout=config.train.start_timeout_s).values() if i["error"]]
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise TrainerStartError(f"trainers were not up within train.start_timeout_s="
+                                    f"{config.train.start_timeout_s:g}s after placement; raise it for large models "
+                                    "or check the trainer processes") from None
         if errors:
             self.close()
             raise TrainerStartError(errors[0])
@@ -111,9 +147,9 @@ class RayTrainers:
                 raise TrainerFailure(name, method, describe(exc.cause or exc), recoverable=False) from None
         return results
 
-    def info(self) -> dict[str, dict[str, Any]]:
+    def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
         names = list(self.actors)
-        return dict(zip(names, ray.get([self.actors[n].info.remote() for n in names])))
+        return dict(zip(names, ray.get([self.actors[n].info.remote() for n in names], timeout=timeout)))
 
     def close(self) -> None:
         for actor in self.actors.values():

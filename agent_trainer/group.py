@@ -26,6 +26,25 @@ class TrainerFailure(RuntimeError):
         self.agent, self.method, self.recoverable = agent, method, recoverable
 
 
+def placement_problem(config: RunConfig, cpus: float, gpus: float, where: str) -> str | None:
+    """Why the trainers' resource requests cannot fit `cpus` and `gpus` in all, and what to lower, or None."""
+    asked = {name: agent.resources for name, agent in config.agents.items()}
+    for kind, have, key in (("CPUs", cpus, "num_cpus"), ("GPUs", gpus, "num_gpus")):
+        total = sum(getattr(r, key) for r in asked.values())
+        if total > have + 1e-9:
+            each = ", ".join(f"{name}: {getattr(r, key):g}" for name, r in asked.items())
+            return (f"agents ask for {total:g} {kind} in all ({each}) but {where} has {have:g}; lower "
+                    f"agents.NAME.resources.{key} (fractions such as 0.5 share a core) or give the cluster more")
+    return None
+
+
+def local_resources(config: RunConfig) -> tuple[float, float]:
+    """CPUs and GPUs of the local Ray cluster `marsi run` would start."""
+    cpus = config.ray.num_cpus if config.ray.num_cpus is not None else float(os.cpu_count() or 1)
+    gpus = config.ray.num_gpus if config.ray.num_gpus is not None else float(torch.cuda.device_count())
+    return cpus, gpus
+
+
 def num_threads(num_cpus: float) -> int:
     """torch threads for a trainer with `num_cpus` cores: one per whole core, at least one."""
     return max(1, math.floor(num_cpus))
@@ -60,7 +79,7 @@ class LocalTrainers:
                 raise TrainerFailure(name, method, describe(exc), recoverable=False) from exc
         return results
 
-    def info(self) -> dict[str, dict[str, Any]]:
+    def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
         return {name: {"pid": os.getpid(), "device": str(t.device), "engine": t.engine.name,
                        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
                 for name, t in self.trainers.items()}

@@ -70,6 +70,39 @@ def source_fingerprint(name: str) -> dict[str, list[int]]:
             for f in sorted(path.rglob("*")) if f.is_file()}
 
 
+def context_problem(config, prompt_length: int, completion_length: int) -> str | None:
+    """Why prompts and completions of these lengths do not fit a model with this config, or None."""
+    context = getattr(config, "max_position_embeddings", None)
+    if context and prompt_length + completion_length > context:
+        return (f"generation.max_prompt_length ({prompt_length}) + max_completion_length ({completion_length}) "
+                f"exceed the model's context of {context} tokens; lower them")
+    return None
+
+
+def model_config(name: str):
+    """The transformers config of model `name` (a built-in is built first); cheap next to loading the weights."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model_path(name))
+
+
+_SHAPE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+
+
+def architecture_mismatch(name: str, saved: str | Path) -> str | None:
+    """How model `name` differs in shape from the model saved at `saved` (what a checkpoint needs), or None."""
+    from transformers import AutoConfig
+
+    try:
+        new, old = AutoConfig.from_pretrained(resolve_model_path(name)), AutoConfig.from_pretrained(saved)
+    except (OSError, ValueError) as exc:
+        return f"its config cannot be read ({' '.join(str(exc).split())[:200]})"
+    diff = [f"{k} {getattr(new, k, None)} vs {getattr(old, k, None)}" for k in _SHAPE
+            if getattr(new, k, None) != getattr(old, k, None)]
+    return f"its architecture differs from the checkpoint's ({'; '.join(diff)})" if diff else None
+
+
 def _materialise(key: str, build) -> Path:
     """Build into a temporary directory and rename it into place, so concurrent builders never clash."""
     target = cache_dir() / "builtin" / key

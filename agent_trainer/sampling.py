@@ -71,8 +71,9 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample from left-padded prompts until each row samples a stop id or has `max_new_tokens`.
 
-    Returns (B, T) completion ids (pad after a row's stop), (B,) lengths (the stop id included), and
-    (B, T) log-probs of the sampled tokens under the sampling distribution (0 after a row's stop)."""
+    `temperature` 0 decodes greedily. Returns (B, T) completion ids (pad after a row's stop), (B,) lengths
+    (the stop id included), and (B, T) log-probs of the sampled tokens under the sampling distribution
+    (0 after a row's stop, and 0 throughout when greedy)."""
     B, device = prompt_ids.size(0), prompt_ids.device
     cache_arg = _cache_argument(model)
     stop = torch.tensor(stop_ids, device=device)
@@ -86,11 +87,15 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     use_cache=True, logits_to_keep=1, **{cache_arg: cache})
         cache = out[cache_arg]
-        logp = sampling_logits(out.logits[:, -1, :].float(), temperature, top_k, top_p).log_softmax(-1)  # (B, V)
-        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)  # (B,)
-        token = token.masked_fill(done, pad_id)
+        if temperature == 0:  # greedy: a point mass on the most likely token, whose log-prob is 0
+            token = out.logits[:, -1, :].argmax(-1).masked_fill(done, pad_id)  # (B,)
+            token_logp = torch.zeros(B, device=device)
+        else:
+            logp = sampling_logits(out.logits[:, -1, :].float(), temperature, top_k, top_p).log_softmax(-1)  # (B, V)
+            token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1).masked_fill(done, pad_id)
+            token_logp = logp.gather(1, token.unsqueeze(1)).squeeze(1).masked_fill(done, 0.0)  # (B,)
         tokens.append(token)
-        logps.append(logp.gather(1, token.unsqueeze(1)).squeeze(1).masked_fill(done, 0.0))
+        logps.append(token_logp)
         stopped = ~done & torch.isin(token, stop)
         lengths = torch.where(stopped, t + 1, lengths)
         done |= stopped

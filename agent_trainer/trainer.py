@@ -36,6 +36,7 @@ import hashlib
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from transformers import AutoModelForCausalLM
 
 from agent_trainer import losses, sampling
 from agent_trainer.engines import left_pad, make_engine, model_logps
-from agent_trainer.models import DTYPES, load_model, resolve_model_path, source_fingerprint
+from agent_trainer.models import DTYPES, context_problem, load_model, resolve_model_path, source_fingerprint
 from protocols.config import AgentConfig, AlgorithmConfig
 from protocols.messages import (
     CheckpointInfo, Completion, Experience, GenerateRequest, GenerateResult, Prompt, UpdateRequest, UpdateResult,
@@ -78,12 +79,9 @@ class AgentTrainer:
                                                 dtype="float32" if trainable else agent.dtype)
         self.model.eval()  # dropout off for good: the update trains the policy that sampled
         gen = agent.generation
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        if context and gen.max_prompt_length + gen.max_completion_length > context:
-            raise ValueError(
-                f"generation.max_prompt_length ({gen.max_prompt_length}) + max_completion_length "
-                f"({gen.max_completion_length}) exceed the model's context of {context} tokens; lower them"
-            )
+        problem = context_problem(self.model.config, gen.max_prompt_length, gen.max_completion_length)
+        if problem:
+            raise ValueError(problem)
         self.stop_ids = sampling.stop_token_ids(self.tokenizer, self.model)
         model_path = resolve_model_path(agent.model)
         self.engine = make_engine(agent, self.model, model_path=model_path,
@@ -100,12 +98,14 @@ class AgentTrainer:
         self.use_chat_template = (
             gen.use_chat_template if gen.use_chat_template is not None else bool(self.tokenizer.chat_template)
         )
+        self._template_opening: str | None = None  # the chat template's first special token, found on first use
+        self._said_pretemplated = False
 
     # ------------------------------------------------------------------------------------ generate
     def generate(self, request: GenerateRequest) -> GenerateResult:
         start = time.perf_counter()
         gen = self.agent.generation
-        temperature = request.temperature or gen.temperature
+        temperature = gen.temperature if request.temperature is None else request.temperature
         prompts = [self.encode_prompt(p) for p in request.prompts]
         rollouts = self.engine.generate([ids for ids, _ in prompts], temperature=temperature, seed=request.seed,
                                         max_new_tokens=request.max_completion_length or gen.max_completion_length)
@@ -120,8 +120,12 @@ class AgentTrainer:
         return GenerateResult(agent=self.name, completions=completions, seconds=time.perf_counter() - start)
 
     def encode_prompt(self, prompt: Prompt) -> tuple[list[int], bool]:
-        """Token ids of a prompt (chat template applied when enabled), cut to max_prompt_length from the left."""
-        if self.use_chat_template:
+        """Token ids of a prompt (chat template applied when enabled), cut to max_prompt_length from the left.
+        With `use_chat_template` unset, a text prompt that already opens with the template's first special
+        token (it was templated by its author) is used as written, and that is said once."""
+        if self.use_chat_template and self._pretemplated(prompt):
+            ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+        elif self.use_chat_template:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False).input_ids
@@ -130,6 +134,23 @@ class AgentTrainer:
             ids = self.tokenizer(text).input_ids
         limit = self.agent.generation.max_prompt_length
         return (ids[-limit:], True) if len(ids) > limit else (ids, False)
+
+    def _pretemplated(self, prompt: Prompt) -> bool:
+        if self.agent.generation.use_chat_template is not None or not isinstance(prompt, str):
+            return False
+        if self._template_opening is None:
+            rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+            first = self.tokenizer(rendered, add_special_tokens=False).input_ids[:1]
+            special = first and first[0] in set(self.tokenizer.all_special_ids) | set(self.tokenizer.added_tokens_decoder)
+            self._template_opening = self.tokenizer.decode(first) if special else ""
+        if not self._template_opening or not prompt.startswith(self._template_opening):
+            return False
+        if not self._said_pretemplated:
+            self._said_pretemplated = True
+            print(f"marsi: agent {self.name!r}: a prompt already opens with the chat template's "
+                  f"{self._template_opening!r}; it is used as written, not templated again (set "
+                  "agents.NAME.generation.use_chat_template to decide)", file=sys.stderr, flush=True)
+        return True
 
     # -------------------------------------------------------------------------------------- update
     def update(self, request: UpdateRequest) -> UpdateResult:

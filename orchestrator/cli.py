@@ -1,4 +1,4 @@
-"""`marsi run | resume | validate | schema | plot`."""
+"""`marsi run | resume | validate | eval | schema | plot`."""
 
 from __future__ import annotations
 
@@ -14,24 +14,42 @@ from protocols.config import RunConfig, load_config
 from protocols.errors import UserError, one_line
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `marsi` argument parser; `--debug` is accepted before or after the subcommand."""
     parser = argparse.ArgumentParser(prog="marsi", description="Train several LLM agents together with RL.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="train from a config")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.steps=5")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    common = argparse.ArgumentParser(add_help=False)  # default SUPPRESS: absent here keeps the value given before
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="what to do; marsi COMMAND --help lists its arguments")
+    p = sub.add_parser("run", parents=[common], help="train from a config")
+    p.add_argument("config", help="the run's YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value applied on top of the file, e.g. train.steps=5")
     p.add_argument("--run-dir", help="run directory (default: train.run_dir)")
-    p = sub.add_parser("resume", help="continue a run from its newest checkpoint")
-    p.add_argument("run_dir")
+    p = sub.add_parser("resume", parents=[common], help="continue a run from its newest checkpoint")
+    p.add_argument("run_dir", help="the run directory to continue")
     p.add_argument("overrides", nargs="*", help="change the stored config, e.g. train.steps=400 to extend the run")
-    p = sub.add_parser("validate", help="check a config; print the schedule and role assignment of the first steps")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--steps", type=int, default=6)
-    sub.add_parser("schema", help="print the config's JSON schema")
-    p = sub.add_parser("plot", help="write PNG curves of a run")
-    p.add_argument("run_dir")
+    p = sub.add_parser("validate", parents=[common],
+                       help="check a config; print the schedule and role assignment of the first steps")
+    p.add_argument("config", help="the YAML config file to check")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value applied on top of the file, e.g. train.steps=5")
+    p.add_argument("--steps", type=int, default=6, help="how many steps to print (default: 6)")
+    sub.add_parser("schema", parents=[common], help="print the config's JSON schema")
+    p = sub.add_parser("plot", parents=[common], help="write PNG curves of a run (plot.png, reward.png, loss.png)")
+    p.add_argument("run_dir", help="the run directory whose metrics.jsonl to plot")
+    p = sub.add_parser("eval", parents=[common],
+                       help="evaluate a run's checkpoints (or a config's initial models) on the eval set")
+    p.add_argument("target", help="a run directory, or a config file (its initial models)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value over the stored config, e.g. eval.episodes_per_sample=4")
+    p.add_argument("--checkpoint", default=None, help="initial | last | all | step-N (default: last; initial for a config)")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="evaluate A and B (initial, last, step-N) and print "
+                   "B - A with a 95%% confidence interval")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
         args.overrides += rest  # overrides given after options
@@ -60,8 +78,16 @@ def cmd_run(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from orchestrator.coordinator import Coordinator
+    from orchestrator.coordinator import Coordinator, check_resume
+    from orchestrator.runlog import RunLog
 
+    stored = Path(args.run_dir) / "config.yaml"
+    config, log = load_config(stored, args.overrides), RunLog(args.run_dir)
+    check_resume(config, load_config(stored, check_imports=False), log)
+    if log.steps_done() == config.train.steps:
+        print(f"marsi: {args.run_dir} has done all its {config.train.steps} steps; to go on, give more: "
+              f"marsi resume {args.run_dir} train.steps=N", file=sys.stderr)
+        return 0
     coord = Coordinator.resume(args.run_dir, args.overrides)
     print(f"marsi: resuming {args.run_dir} at step {coord.state.step}", file=sys.stderr)
     return _train(coord, started=True)
@@ -78,16 +104,20 @@ def _train(coord, started: bool) -> int:
         print(f"marsi: {signal.Signals(signum).name}: stopping after this step with a checkpoint"
               " (Ctrl-C again aborts)", file=sys.stderr, flush=True)
 
+    if not started:
+        coord.start()  # before the handlers: starting Ray installs its own SIGTERM handler
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if not started:
-            coord.start()
         coord.run()
+    except BaseException:
+        if not started:
+            coord.log.discard_unstarted()  # a run that failed before its first step leaves no directory
+        raise
     finally:
         coord.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    rows = coord.log.metrics()
+    rows = [r for r in coord.log.metrics() if "reward/mean" in r]  # training rows (evaluation rows aside)
     if signals:
         print(f"marsi: stopped at step {coord.state.step}; continue with: marsi resume {coord.log.dir}", file=sys.stderr)
         return 128 + signals[0]
@@ -100,23 +130,148 @@ def _train(coord, started: bool) -> int:
 
 
 def cmd_validate(args) -> int:
+    """Everything that can be checked without Ray or the weights: config, environment roles and seats,
+    each model's context, resources; then the schedule and who acts on each turn for the first steps."""
+    from agent_trainer.group import local_resources, placement_problem
+    from agent_trainer.models import context_problem, model_config
+    from orchestrator.coordinator import Coordinator
     from orchestrator.schedule import RoleAssignment, Schedule
-    from protocols.imports import import_object
+    from protocols.config import ConfigError
 
     config = load_config(args.config, args.overrides)
+    coordinator = Coordinator(config)  # constructs the environment and checks its roles against the seats
+    env = coordinator.make_env()
+    for name, agent in config.agents.items():
+        gen = agent.generation
+        problem = context_problem(model_config(agent.model), gen.max_prompt_length, gen.max_completion_length)
+        if problem:
+            raise ConfigError(f"{args.config}: agents.{name}: {problem}")
+    joins = config.ray.address or os.environ.get("RAY_ADDRESS")
+    if config.ray.enabled and not joins:
+        cpus, gpus = local_resources(config)
+        problem = placement_problem(config, cpus, gpus, "the local cluster")
+        if problem:
+            raise ConfigError(f"{args.config}: {problem}")
     schedule, assignment = Schedule(config.schedule, list(config.agents)), RoleAssignment(config.roles)
-    env = import_object(config.environment.name)(**config.environment.kwargs)
     per_step = config.train.batch_size * config.train.num_generations
-    turns = min(env.max_turns, 4)
+    acting = _acting_roles(coordinator, env)
     print(f"{args.config}: valid. agents: {', '.join(config.agents)}; roles: {', '.join(env.possible_agents)}; "
           f"{per_step} episodes per step, at most {env.max_turns} turns each")
+    asked = sum(a.resources.num_cpus for a in config.agents.values())
+    where = f"joins {joins}; checked when the run starts" if joins else (
+        "in-process (ray.enabled false)" if not config.ray.enabled else
+        "local cluster: {:g} CPUs, {:g} GPUs".format(*local_resources(config)))
+    print(f"resources: trainers ask for {asked:g} CPUs, "
+          f"{sum(a.resources.num_gpus for a in config.agents.values()):g} GPUs; {where}")
+    if not schedule.trainable:
+        print("no agent trains (all are in schedule.frozen): the run plays episodes and logs their rewards only")
+    print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "
+          "(* marks the roles that acted)")
     for step in range(min(args.steps, config.train.steps)):
-        trains = ", ".join(schedule.training_agents(step)) or "(none)"
-        print(f"step {step}: trains {trains}")
-        for episode in sorted({step * per_step, step * per_step + 1} & set(range(step * per_step, (step + 1) * per_step))):
-            seats = " | ".join(" ".join(f"{r}={a}" for r, a in assignment(episode, t).items()) for t in range(turns))
-            print(f"  episode {episode} turns 0..{turns - 1}: {seats}")
+        print(f"step {step + 1}: trains {', '.join(schedule.training_agents(step)) or '(none)'}")
+        for episode in range(step * per_step, min(step * per_step + 2, (step + 1) * per_step)):
+            turns = " | ".join(f"turn {t + 1}: " + " ".join(
+                f"{r}={a}{'*' if r in acting.get(t, ()) else ''}" for r, a in assignment(episode, t).items())
+                for t in range(env.max_turns))
+            print(f"  episode {episode + 1}: {turns}")
     return 0
+
+
+def _acting_roles(coordinator, env) -> dict[int, set[str]]:
+    """Roles that act on each turn of one episode of the first sample, played with the environment module's
+    `sample_action(role, prompt, rng)` when it has one, else empty answers."""
+    import random
+
+    from orchestrator.rollout import derive_seed
+
+    module = sys.modules.get(type(env).__module__)
+    act = getattr(module, "sample_action", None) or (lambda role, prompt, rng: "")
+    rng, acting = random.Random(0), {}
+    prompts = env.reset(dict(coordinator.samples[0]), seed=derive_seed(coordinator.config.train.seed, 0))
+    for turn in range(env.max_turns):
+        if not prompts:
+            break
+        acting[turn] = set(prompts)
+        result = env.step({role: act(role, prompt, rng) for role, prompt in prompts.items()})
+        if result.terminated or result.truncated:
+            break
+        prompts = result.prompts
+    return acting
+
+
+def cmd_eval(args) -> int:
+    """Evaluate checkpoints of a run (or a config's initial models); a run directory gets eval.jsonl rows."""
+    from orchestrator.coordinator import Coordinator
+    from orchestrator.evaluation import compare
+    from orchestrator.runlog import RunLog
+    from protocols.config import ConfigError
+
+    target = Path(args.target)
+    is_run = target.is_dir()
+    config = load_config(target / "config.yaml" if is_run else target, args.overrides + ["train.progress=false"])
+    if config.eval is None:
+        raise ConfigError(f"{args.target}: the config has no eval: section; add one (or eval.data.path=... as an override)")
+    log = RunLog(target) if is_run else None
+    names = args.compare or _checkpoint_names(args.checkpoint or ("last" if is_run else "initial"), log)
+    if not is_run and set(names) != {"initial"}:
+        raise ConfigError(f"{args.target}: a config has only initial models to evaluate; give a run directory for checkpoints")
+    results = {}
+    with Coordinator(config) as coord:
+        for name in sorted(names, key=lambda n: n != "initial"):  # initial first: the trainers start there
+            if name != "initial":
+                coord.load_weights(_checkpoint_path(name, log))
+            result = coord.evaluation.run(coord.generate, coord.assignment)
+            results[name] = result
+            if log is not None:
+                log.log_eval({"checkpoint": name, "time": time.time(), **result.metrics, "rewards": result.rewards})
+    _print_eval_table(results)
+    if args.compare:
+        a, b = args.compare
+        c = compare(results[a].rewards[""], results[b].rewards[""])
+        verdict = "distinguishable from noise" if c["distinguishable"] else "NOT distinguishable from noise"
+        print(f"reward/mean {b} - {a}: {c['difference']:+.4f} (95% CI {c['low']:+.4f} .. {c['high']:+.4f}; "
+              f"{a} {c['before']:.4f}, {b} {c['after']:.4f}; {c['episodes']} paired episodes): {verdict}")
+    return 0
+
+
+def _checkpoint_names(which: str, log) -> list[str]:
+    if which == "all":
+        return ["initial"] + ([p.name for p in log.checkpoints()] if log else [])
+    return [which]
+
+
+def _checkpoint_path(name: str, log) -> Path:
+    from protocols.config import ConfigError
+
+    found = {p.name: p for p in log.checkpoints()}
+    if name == "last":
+        if not found:
+            raise ConfigError(f"{log.dir}: no complete checkpoint to evaluate")
+        return max(found.values(), key=lambda p: int(p.name[5:]))
+    if name not in found:
+        raise ConfigError(f"{log.dir}: no checkpoint {name!r}; have initial, last, "
+                          f"{', '.join(found) or '(none)'}")
+    return found[name]
+
+
+def _print_eval_table(results) -> None:
+    """One row per checkpoint and setting (as trained, then each partner label), mean ± standard error."""
+    rows = []
+    for name, result in results.items():
+        for label in result.rewards:
+            prefix = f"eval/{label}/" if label else "eval/"
+            metrics = {k.removeprefix(prefix): v for k, v in result.metrics.items()
+                       if k.startswith(prefix) and (label or not _partner_key(k, result))}
+            rows.append((f"{name} {label}".strip(), metrics))
+    keys = sorted({k for _, m in rows for k in m if not k.endswith(("/stderr", "episodes"))})
+    print(f"{'evaluation':28s} {'episodes':>8s}  " + "  ".join(f"{k:>20s}" for k in keys))
+    for title, m in rows:
+        cells = [f"{m[k]:.3f} ± {m.get(k + '/stderr', 0.0):.3f}" if k in m else "-" for k in keys]
+        print(f"{title:28s} {int(m.get('episodes', 0)):8d}  " + "  ".join(f"{c:>20s}" for c in cells))
+
+
+def _partner_key(key: str, result) -> bool:
+    return any(label and key.startswith(f"eval/{label}/") for label in result.rewards)
 
 
 def cmd_schema(args) -> int:
@@ -125,14 +280,15 @@ def cmd_schema(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from orchestrator.runlog import plot
+    from orchestrator.plot import plot
 
     for path in plot(args.run_dir):
         print(path)
     return 0
 
 
-COMMANDS = {"run": cmd_run, "resume": cmd_resume, "validate": cmd_validate, "schema": cmd_schema, "plot": cmd_plot}
+COMMANDS = {"run": cmd_run, "resume": cmd_resume, "validate": cmd_validate, "eval": cmd_eval, "schema": cmd_schema,
+            "plot": cmd_plot}
 
 if __name__ == "__main__":
     sys.exit(main())

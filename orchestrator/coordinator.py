@@ -7,6 +7,7 @@ Its primitives (`generate`, `train`, `checkpoint`, `restore`) serve custom coord
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -16,12 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from agent_trainer.group import LocalTrainers, TrainerFailure
+from agent_trainer.models import architecture_mismatch
 from orchestrator import rollout
 from orchestrator.advantages import experiences_by_agent
 from orchestrator.data import DataPosition, load_samples, next_batch
-from orchestrator.runlog import CHECKPOINT_DONE, RunLog, checkpoint_problem
-from orchestrator.schedule import RoleAssignment, Schedule
-from protocols.config import RunConfig, load_config
+from orchestrator.evaluation import Evaluation, partner_agents
+from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, read_checkpoint_state
+from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
+from protocols.config import ConfigError, RunConfig, load_config
+from protocols.errors import UserError
 from protocols.imports import import_object
 from protocols.messages import (
     Completion, Experience, GenerateRequest, Prompt, UpdateRequest, UpdateResult, check_experiences,
@@ -39,20 +43,34 @@ class CoordinatorState:
     data: DataPosition = field(default_factory=DataPosition)
     baselines: dict[str, dict[str, float]] = field(default_factory=dict)
     """EMA return baseline per agent, then per role (algorithm.baseline == "ema")."""
+    loop_state: dict[str, Any] = field(default_factory=dict)
+    """A custom loop's own state (JSON values), saved with each checkpoint and given back by restore."""
 
 
 class Coordinator:
-    """`with Coordinator(config, run_dir) as coord: coord.run()`."""
+    """`with Coordinator(config, run_dir) as coord: coord.run()`. `run_dir` must hold no run yet (see
+    `Coordinator.resume` to continue one); None keeps no records and no checkpoints.
 
-    def __init__(self, config: RunConfig, run_dir: str | Path | None = None):
+    Attributes a custom loop reads: `step` (steps done), `restored_from` (the checkpoint `restore` loaded,
+    or None), `loop_state` (its own JSON state, saved by `checkpoint` and given back by `restore`)."""
+
+    def __init__(self, config: RunConfig, run_dir: str | Path | None = None, *, resume: bool = False):
         self.config = config
+        self.resuming = resume
         self.schedule = Schedule(config.schedule, list(config.agents))
         self.assignment = RoleAssignment(config.roles)
-        self.env_cls = import_object(config.environment.name)
+        self.make_env = rollout.env_factory(config.environment.name, config.environment.kwargs)
+        env = rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
+        problem = seating_problem(config.roles, env.possible_agents)
+        if problem:
+            raise ConfigError(problem)
         self.samples = load_samples(config.data)
+        self.evaluation = Evaluation(config, self.samples) if config.eval else None
+        self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging) if run_dir is not None else None
         self.trainers = None
+        self.restored_from: Path | None = None
         self.restarts = 0
         self.stop_requested = False
         self._owns_ray = False
@@ -68,24 +86,37 @@ class Coordinator:
         self.close()
 
     def start(self) -> None:
-        """Start the trainers (and Ray when enabled); a started coordinator stays as it is."""
+        """Claim the run directory, start Ray when enabled and the trainers; a started coordinator stays
+        as it is. A new run writes its config here; a resumed one once its checkpoint is restored."""
         if self.trainers is not None:
             return
-        if self.config.ray.enabled:
-            from agent_trainer.actor import init_ray
-
-            self._owns_ray = init_ray(self.config.ray)
-        self.trainers = self._start_trainers()
         if self.log is not None:
+            self.log.claim(resume=self.resuming)
+        try:
+            if self.config.ray.enabled:
+                from agent_trainer.actor import init_ray
+
+                self._owns_ray = init_ray(self.config.ray)
+            self.trainers = self._start_trainers()
+        except BaseException:
+            self.close()
+            raise
+        if self.log is not None and not self.resuming:
             self.log.write_config(self.config)
+            self.log.snapshot_sources([self.config.environment.name, self.config.data.factory])
 
     def _start_trainers(self):
-        updates = {a: self.schedule.updates(a, self.config.train.steps) for a in self.config.agents}
-        if self.config.ray.enabled:
+        config = self.config
+        if self.partners:  # partner trainers come last, so the agents' own seeds and indices stay as they are
+            frozen = config.schedule.model_copy(update={"frozen": [*config.schedule.frozen, *self.partners]})
+            config = config.model_copy(update={"agents": {**config.agents, **self.partners}, "schedule": frozen})
+        updates = {a: self.schedule.updates(a, self.config.train.steps) if a in self.config.agents else 0
+                   for a in config.agents}
+        if config.ray.enabled:
             from agent_trainer.actor import RayTrainers
 
-            return RayTrainers(self.config, updates)
-        return LocalTrainers(self.config, updates)
+            return RayTrainers(config, updates)
+        return LocalTrainers(config, updates)
 
     def close(self) -> None:
         if self.trainers is not None:
@@ -96,22 +127,60 @@ class Coordinator:
 
             ray.shutdown()
             self._owns_ray = False
+        if self.log is not None:
+            self.log.release()
 
     @classmethod
     def resume(cls, run_dir: str | Path, overrides: list[str] | None = None) -> Coordinator:
-        """A started coordinator for `run_dir`, restored from its newest complete checkpoint.
-        `overrides` (dotted.key=value) change the stored config, e.g. `train.steps=200` to extend a run."""
-        config = load_config(Path(run_dir) / "config.yaml", overrides)
-        coord = cls(config, run_dir)
+        """A started coordinator for `run_dir`, restored from its newest intact checkpoint.
+        `overrides` (dotted.key=value) change the stored config, e.g. `train.steps=200` to extend a run;
+        they are checked against the checkpoint first and written to config.yaml only once it is restored."""
+        run_dir = Path(run_dir)
+        config = load_config(run_dir / "config.yaml", overrides)
+        check_resume(config, load_config(run_dir / "config.yaml", check_imports=False), RunLog(run_dir))
+        coord = cls(config, run_dir, resume=True)
         coord.start()
-        coord.restore()
+        try:
+            try:
+                coord.restore()
+            except TrainerFailure as failure:
+                coord.recover(failure)
+            coord.log.write_config(config)
+        except BaseException:
+            coord.close()
+            raise
         return coord
 
+    @property
+    def step(self) -> int:
+        """Steps done: what `run()` counts, or what a custom loop last passed to `checkpoint(step=...)`."""
+        return self.state.step
+
+    @property
+    def loop_state(self) -> dict[str, Any]:
+        return self.state.loop_state
+
+    @loop_state.setter
+    def loop_state(self, value: dict[str, Any]) -> None:
+        self.state.loop_state = value
+
+    def _known(self, agents, action: str) -> None:
+        for agent in agents:
+            if agent not in self.config.agents and (action == "train" or agent not in self.partners):
+                raise ConfigError(f"{action}: agent {agent!r} is not defined; defined agents: "
+                                  f"{', '.join(self.config.agents)}")
+            if action == "train" and agent in self.config.schedule.frozen:
+                raise ConfigError(f"train: agent {agent!r} is frozen (schedule.frozen) and never updates; "
+                                  "remove it from schedule.frozen to train it")
+
     # -------------------------------------------------------------------------------- primitives
-    def generate(self, prompts: dict[str, list[Prompt]], seed: int) -> dict[str, list[Completion]]:
-        """Completions for each agent's prompts: one request per agent, all agents at once."""
+    def generate(self, prompts: dict[str, list[Prompt]], seed: int,
+                 temperature: float | None = None) -> dict[str, list[Completion]]:
+        """Completions for each agent's prompts: one request per agent, all agents at once. `temperature`
+        overrides the agents' own (0: greedy); completions carry the temperature they were drawn at."""
+        self._known(prompts, "generate")
         start = time.perf_counter()
-        requests = {a: {"request": GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a))}
+        requests = {a: {"request": GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a), temperature=temperature)}
                     for a, p in prompts.items() if p}
         results = self.trainers.call("generate", requests, timeout=self.config.train.call_timeout_s)
         self._seconds["generate"] += time.perf_counter() - start
@@ -120,6 +189,7 @@ class Coordinator:
     def train(self, experiences: dict[str, list[Experience]]) -> dict[str, UpdateResult]:
         """Update each named agent on its experiences now, all agents at once. Every experience is checked
         first: a non-finite advantage or log-prob stops the call before any agent trains."""
+        self._known(experiences, "train")
         for agent, exps in experiences.items():
             check_experiences(agent, exps)
         start = time.perf_counter()
@@ -139,70 +209,133 @@ class Coordinator:
 
     def play(self, samples: list[dict[str, Any]]) -> list[rollout.Episode]:
         """`num_generations` episodes per sample, with the configured role assignment."""
-        kwargs = self.config.environment.kwargs
-        episodes = rollout.play(lambda: self.env_cls(**kwargs), samples, self.config.train.num_generations,
+        episodes = rollout.play(self.make_env, samples, self.config.train.num_generations,
                                 self.assignment, self.generate, seed=self.config.train.seed,
                                 first_episode=self.state.episodes)
         self.state.episodes += len(episodes)
         return episodes
 
     def checkpoint(self, step: int | None = None) -> Path:
-        """Save every trainer and the coordinator state under checkpoints/step-N, atomically.
-        Custom loops pass the `step` they reached; `run()` keeps its own count."""
+        """Save every trainer and the coordinator state (with `loop_state`) under checkpoints/step-N,
+        atomically. Custom loops pass the `step` they reached; `run()` keeps its own count."""
+        if self.log is None:
+            raise ConfigError("checkpoint(): this coordinator has no run directory; give Coordinator(config, run_dir)")
+        latest = self.log.latest_checkpoint()
+        done = int(latest.name[5:]) if latest is not None else -1
+        if step is None and self.state.step == done:
+            raise ConfigError(f"checkpoint(): {latest.name} exists; pass the step your loop reached: "
+                              "checkpoint(step=N)")
+        if step is not None and step < done:
+            raise ConfigError(f"checkpoint(step={step}): the newest checkpoint is {latest.name}; steps only go forward")
+        try:
+            json.dumps(self.state.loop_state)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"checkpoint(): loop_state must hold JSON values only ({exc})") from None
         if step is not None:
             self.state.step = step
+        return self._save_checkpoint()
+
+    def _save_checkpoint(self) -> Path:
         staging = self.log.staging_path(self.state.step)
-        self.trainers.call("save", {a: {"path": str(staging / "agents" / a)} for a in self.config.agents})
-        state = {**asdict(self.state), "schedule_phase": self.schedule.phase(self.state.step)}
-        return self.log.commit_checkpoint(staging, self.state.step, state, self.config.train.keep_checkpoints)
+        try:
+            self.trainers.call("save", {a: {"path": str(staging / "agents" / a)} for a in self.config.agents},
+                               timeout=self.config.train.checkpoint_timeout_s)
+            state = {**asdict(self.state), "schedule_phase": self.schedule.phase(self.state.step)}
+            return self.log.commit_checkpoint(staging, self.state.step, state, self.config.train.keep_checkpoints)
+        except BaseException as exc:
+            full = self.log.disk_full(exc)
+            problem = self.log.disk_problem(exc) if full else None  # measured before the cleanup frees space
+            shutil.rmtree(staging, ignore_errors=True)  # a half-written checkpoint only takes space
+            if full:
+                raise RunDirError(problem) from exc
+            raise
 
     def restore(self, path: str | Path | None = None) -> Path:
         """Load every trainer and the coordinator state from `path`; by default from the newest
-        checkpoint that is intact, falling back to older ones (and saying so) when the newest is damaged."""
+        checkpoint that is intact, falling back to older ones (and saying so) when the newest is damaged
+        (a missing, truncated or altered file). A trainer that dies or hangs while loading is a trainer
+        failure (see `recover`), not damage."""
         candidates = [Path(path)] if path is not None else list(reversed(self.log.checkpoints()))
         if not candidates:
             raise FileNotFoundError(f"{self.log.dir}: no complete checkpoint to resume from; start the run anew with marsi run")
         for i, candidate in enumerate(candidates):
             problem = checkpoint_problem(candidate)
             if problem is None:
-                try:
-                    self.trainers.call("load", {a: {"path": str(candidate / "agents" / a)} for a in self.config.agents})
-                    break
-                except TrainerFailure as failure:
-                    problem = str(failure)
+                break
             if i + 1 == len(candidates):
                 raise FileNotFoundError(f"checkpoint {candidate} cannot be loaded: {problem}; no older one is left")
             say(f"checkpoint {candidate.name} is damaged ({problem}); falling back to {candidates[i + 1].name}")
-        raw = json.loads((candidate / CHECKPOINT_DONE).read_text())
-        if not all(isinstance(v, dict) for v in raw["baselines"].values()):
-            raise ValueError(f"checkpoint {candidate} keeps EMA baselines per role (an older format); they are now kept "
-                             "per agent and role: start the run anew")
+        self.trainers.call("load", {a: {"path": str(candidate / "agents" / a)} for a in self.config.agents},
+                           timeout=self.config.train.checkpoint_timeout_s)
+        raw = read_checkpoint_state(candidate)
         self.state = CoordinatorState(step=raw["step"], episodes=raw["episodes"], data=DataPosition(**raw["data"]),
-                                      baselines=raw["baselines"])
+                                      baselines=raw["baselines"], loop_state=raw.get("loop_state", {}))
         self.log.truncate_after(self.state.step)
+        self.restored_from = candidate
         return candidate
 
     def recover(self, failure: TrainerFailure) -> None:
-        """Restart every trainer and restore the last good checkpoint; raise when that cannot help."""
-        if not failure.recoverable:
-            raise failure
-        self.restarts += 1
+        """Restart every trainer and restore the last good checkpoint (before the run's first checkpoint:
+        start afresh); a failure while doing so spends another restart. Raise when that cannot help."""
         limit = self.config.train.max_restarts
-        last = self.log.latest_checkpoint() if self.log is not None else None
-        if self.restarts > limit or last is None:
-            why = f"after {limit} restarts" if last is not None else "and there is no checkpoint to restart from"
-            raise RunFailed(f"{failure}; stopping {why}; last good checkpoint: {last}") from failure
-        say(f"{failure}; restarting the trainers from {last.name} (restart {self.restarts} of {limit})")
-        self.trainers.close()
-        self.trainers = self._start_trainers()
-        self.restore()
+        while True:
+            if not failure.recoverable:
+                raise failure
+            self.restarts += 1
+            last = self.log.latest_checkpoint() if self.log is not None else None
+            fresh = last is None and self.log is not None and self.state == CoordinatorState()
+            if self.restarts > limit or (last is None and not fresh):
+                why = f"after {limit} restarts" if self.restarts > limit else "and there is no checkpoint to restart from"
+                raise RunFailed(f"{failure}; stopping {why}; last good checkpoint: {last}") from failure
+            say(f"{failure}; restarting the trainers from {last.name if last else 'their initial weights'} "
+                f"(restart {self.restarts} of {limit})")
+            try:
+                self.trainers.close()
+                self.trainers = self._start_trainers()
+                if last is not None:
+                    self.restore()
+                return
+            except TrainerFailure as again:
+                failure = again
 
     def request_stop(self) -> None:
         """Stop at the next safe point (after the current step), with a checkpoint."""
         self.stop_requested = True
 
-    def parameters_digests(self) -> dict[str, str]:
-        return self.trainers.call("parameters_digest", {a: {} for a in self.config.agents})
+    def parameters_digests(self, agents: list[str] | None = None) -> dict[str, str]:
+        """SHA-256 of each agent's weights (every agent by default; partner trainers by name)."""
+        return self.trainers.call("parameters_digest", {a: {} for a in agents or self.config.agents},
+                                  timeout=self.config.train.call_timeout_s)
+
+    def load_weights(self, checkpoint: str | Path) -> None:
+        """Load every agent's weights from an intact checkpoint, leaving the coordinator's own state as it is."""
+        problem = checkpoint_problem(Path(checkpoint))
+        if problem:
+            raise FileNotFoundError(f"checkpoint {checkpoint} cannot be loaded: {problem}")
+        self.trainers.call("load", {a: {"path": str(Path(checkpoint) / "agents" / a)} for a in self.config.agents},
+                           timeout=self.config.train.checkpoint_timeout_s)
+
+    def _evaluated(self) -> bool:
+        """Whether the run's records already hold an evaluation of the current step."""
+        return self.log is not None and any(r["step"] == self.state.step and "eval/reward/mean" in r
+                                            for r in self.log.metrics())
+
+    def _with_recovery(self, fn):
+        while True:
+            try:
+                return fn()
+            except TrainerFailure as failure:
+                self.recover(failure)
+
+    def evaluate(self) -> dict[str, float]:
+        """Run the held-out evaluation now at the current weights; logs an `eval/` row for this step."""
+        if self.evaluation is None:
+            raise ConfigError("evaluate(): the config has no eval: section")
+        result = self.evaluation.run(self.generate, self.assignment)
+        row = {"step": self.state.step, **result.metrics}
+        if self.log is not None:
+            self.log.log_metrics(row)
+        return row
 
     # -------------------------------------------------------------------------------------- run
     def run(self, until: int | None = None) -> list[dict[str, Any]]:
@@ -211,7 +344,9 @@ class Coordinator:
         cfg = self.config.train
         until = cfg.steps if until is None else min(until, cfg.steps)
         if self.log is not None and self.log.latest_checkpoint() is None:
-            self.checkpoint()  # step 0: something to restart from
+            self._with_recovery(self._save_checkpoint)  # step 0: something to restart from
+        if self.evaluation is not None and self.evaluation.due(self.state.step) and not self._evaluated():
+            self._with_recovery(self.evaluate)  # before the first step, or one a kill cut short
         bar = _progress(self.state.step, until, cfg.progress)
         history, failed_at = [], None
         while self.state.step < until and not self.stop_requested:
@@ -219,7 +354,11 @@ class Coordinator:
             start = time.perf_counter()
             try:
                 # rollout
+                epoch = self.state.data.epoch
                 samples = next_batch(self.samples, cfg.batch_size, self.state.data, cfg.seed, self.config.data.shuffle)
+                if self.state.data.epoch != epoch:
+                    self.warn_once("data", "epoch", f"data: all {len(self.samples)} samples used; going round again"
+                                   f"{' (reshuffled each epoch)' if self.config.data.shuffle else ''}; data/epoch counts")
                 episodes = self.play(samples)
                 # advantages
                 experiences = experiences_by_agent(episodes, self.config.algorithm, self.state.baselines)
@@ -230,6 +369,7 @@ class Coordinator:
                 self.state.step += 1
                 # log
                 metrics = step_metrics(self.state.step, episodes, results, self._seconds, time.perf_counter() - start)
+                metrics["data/epoch"] = self.state.data.epoch + self.state.data.index / len(self.samples)
                 for agent in sorted(set(scheduled) - set(training)):
                     metrics[f"no_experiences/{agent}"] = 1
                     self.warn_once(agent, "idle", f"agent {agent!r} is scheduled to train but got no experiences at "
@@ -240,11 +380,18 @@ class Coordinator:
                 if self.log is not None:
                     self.log.log_metrics(metrics)
                     self.log.log_transcripts(self.state.step, [e.transcript() for e in episodes[:cfg.transcripts_per_step]])
+                # evaluate (before the checkpoint: a kill during it replays the step and the evaluation)
+                if self.evaluation is not None and self.evaluation.due(self.state.step):
+                    self.evaluate()
                 # checkpoint
                 every = cfg.checkpoint_every
                 at_end = self.state.step == cfg.steps or self.stop_requested
                 if self.log is not None and ((every and self.state.step % every == 0) or at_end):
-                    self.checkpoint()
+                    self._save_checkpoint()
+            except OSError as exc:  # a full or read-only disk under the run directory
+                if self.log is None:
+                    raise
+                raise RunDirError(self.log.disk_problem(exc)) from exc
             except TrainerFailure as failure:
                 failed_at = time.perf_counter()
                 self.recover(failure)  # back to the last checkpoint; its later steps are replayed
@@ -257,6 +404,31 @@ class Coordinator:
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", training=",".join(training) or "-")
         bar.close()
         return history
+
+
+class ResumeError(UserError, ValueError):
+    """Overrides that cannot apply to a run's checkpoints; nothing in the run directory was changed."""
+
+
+def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
+    """Refuse, before anything is touched, a resume whose config cannot continue the run's checkpoints."""
+    done = log.steps_done()
+    if done is None:
+        raise FileNotFoundError(f"{log.dir}: no complete checkpoint to resume from; start the run anew with marsi run")
+    if set(config.agents) != set(stored.agents):
+        raise ResumeError(f"{log.dir}: a resumed run keeps its agents ({', '.join(stored.agents)}); the overrides make "
+                          f"them {', '.join(config.agents)}; start a new run for other agents")
+    if config.train.steps < done:
+        raise ResumeError(f"train.steps={config.train.steps} is below the {done} steps {log.dir} has done; "
+                          f"give train.steps >= {done}")
+    checkpoint = log.latest_checkpoint()
+    for name, agent in config.agents.items():
+        saved = checkpoint / "agents" / name / "model"
+        if agent.model != stored.agents[name].model and saved.is_dir():
+            problem = architecture_mismatch(agent.model, saved)
+            if problem:
+                raise ResumeError(f"agents.{name}.model={agent.model!r}: {problem}, so the checkpoint's weights "
+                                  "cannot load into it; resume with the run's model")
 
 
 class RunFailed(RuntimeError):

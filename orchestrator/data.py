@@ -19,21 +19,32 @@ class DataError(UserError, ValueError):
 _FILE_KINDS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_samples(config: DataConfig) -> list[dict[str, Any]]:
+def load_samples(config: DataConfig, key: str = "data") -> list[dict[str, Any]]:
+    """The samples of a data section (`key` names it in errors: `data` or `eval.data`)."""
     import datasets
 
-    key = "data.path" if config.path is not None else "data.factory" if config.factory is not None else "data.hub"
+    key += ".path" if config.path is not None else ".factory" if config.factory is not None else ".hub"
     try:
-        if config.path is not None:
+        if config.path is not None and Path(config.path).is_dir():  # written by Dataset(Dict).save_to_disk
+            dataset = datasets.load_from_disk(config.path)
+            if isinstance(dataset, datasets.DatasetDict):
+                if config.split not in dataset:
+                    raise DataError(f"{config.path!r} has splits {', '.join(dataset)}, not {config.split!r}; "
+                                    "set data.split")
+                dataset = dataset[config.split]
+        elif config.path is not None:
             kind = _FILE_KINDS.get(Path(config.path).suffix)
             if kind is None:
-                raise DataError(f"{config.path!r} must end in one of {', '.join(_FILE_KINDS)}")
+                raise DataError(f"{config.path!r} must end in one of {', '.join(_FILE_KINDS)}, or be a directory "
+                                "written by save_to_disk")
             dataset = datasets.load_dataset(kind, data_files=config.path, split="train")
         elif config.factory is not None:
             dataset = import_object(config.factory)(**config.kwargs)
         else:
             dataset = datasets.load_dataset(config.hub, split=config.split, **config.kwargs)
         rows = dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
+    except DataError:
+        raise
     except Exception as exc:
         raise DataError(f"{key}: loading the data raised {describe(exc)}; "
                         "check the data source") from exc

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from protocols.env import Environment
+from protocols.env import Environment, StepResult, as_reward, env_problem, episode_info_problem, prompts_problem
 from protocols.errors import UserError
 from protocols.messages import Completion, Prompt
 
@@ -78,17 +77,24 @@ def derive_seed(*parts: Any) -> int:
 GenerateFn = Callable[[dict[str, list[Prompt]], int], dict[str, list[Completion]]]
 
 
+SCRIPTED = "<scripted>"
+"""The seat of a role the environment answers itself (`Environment.scripted_action`), in evaluations."""
+
+
 def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num_generations: int,
          assignment: Callable[[int, int], dict[str, str]], generate: GenerateFn, *, seed: int,
          first_episode: int) -> list[Episode]:
-    """Play `num_generations` episodes per sample until all end; one batched generate per turn for all agents."""
+    """Play `num_generations` episodes per sample until all end; one batched generate per turn for all agents.
+    A role seated to `SCRIPTED` is answered by its episode's `env.scripted_action`."""
     episodes = []
     for s, sample in enumerate(samples):
         for g in range(num_generations):
             index = first_episode + s * num_generations + g
-            episode = Episode(index=index, sample_index=s, env=make_env())
-            episode.prompts = _guard(episode, 0, "reset", lambda: episode.env.reset(dict(sample),
-                                                                                     seed=derive_seed(seed, index)))
+            episode = Episode(index=index, sample_index=s, env=make_environment(make_env))
+            prompts = _guard(episode, 0, "reset", lambda: episode.env.reset(dict(sample), seed=derive_seed(seed, index)))
+            _check(episode, 0, "reset", prompts_problem(prompts, episode.env.possible_agents)
+                   or (None if prompts else "no role acts on the first turn (empty prompts)"))
+            episode.prompts = prompts
             episodes.append(episode)
     turn = 0
     while live := [e for e in episodes if not e.done]:
@@ -101,8 +107,12 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
                     raise EnvironmentFault(f"episode {episode.index} turn {turn}: role {role!r} has no agent in "
                                            f"roles.assignment ({', '.join(seats)}); seat every role the environment uses")
                 wanted.setdefault(seats[role], []).append((episode, role, prompt))
+        scripted = wanted.pop(SCRIPTED, [])
         completions = generate({agent: [p for _, _, p in items] for agent, items in wanted.items()},
                                derive_seed(seed, first_episode, turn))
+        if scripted:
+            wanted[SCRIPTED] = scripted
+            completions[SCRIPTED] = [_scripted(episode, turn, role, prompt) for episode, role, prompt in scripted]
         # answers go back to their episodes
         actions: dict[tuple[int, str], Action] = {}
         for agent, items in wanted.items():
@@ -111,8 +121,12 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
         for episode in live:
             mine = [actions[episode.index, role] for role in episode.prompts]
             result = _guard(episode, turn, "step", lambda: episode.env.step({a.role: a.completion.text for a in mine}))
-            _check_reward(episode, turn, result.reward)
-            episode.turns.append(Turn(mine, result.reward, result.infos))
+            if not isinstance(result, StepResult):
+                _check(episode, turn, "step", f"must return a StepResult, got {type(result).__name__}")
+            reward, problem = as_reward(result.reward, episode.env.possible_agents)
+            _check(episode, turn, "step", problem or prompts_problem(result.prompts, episode.env.possible_agents)
+                   or (None if isinstance(result.infos, dict) else "infos must be a dict role -> dict"))
+            episode.turns.append(Turn(mine, reward, result.infos))
             episode.prompts = result.prompts
             episode.terminated, episode.truncated = result.terminated, result.truncated
             if not episode.done and not result.prompts:
@@ -121,22 +135,60 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
             if not episode.done and turn + 1 >= episode.env.max_turns:
                 episode.truncated, episode.prompts = True, {}
             if episode.done:
-                episode.info = _guard(episode, turn, "episode_info", episode.env.episode_info)
+                info = _guard(episode, turn, "episode_info", episode.env.episode_info)
+                _check(episode, turn, "episode_info", episode_info_problem(info))
+                episode.info = {k: float(v) for k, v in info.items()}
         turn += 1
     return episodes
+
+
+def _scripted(episode: Episode, turn: int, role: str, prompt: Prompt) -> Completion:
+    text = _guard(episode, turn, "scripted_action", lambda: episode.env.scripted_action(role, prompt))
+    _check(episode, turn, "scripted_action", None if isinstance(text, str) else f"must return text, got {text!r:.60}")
+    return Completion(text=text, prompt_ids=[], completion_ids=[], per_token_logps=[], finish_reason="stop")
+
+
+def env_factory(spec: str, kwargs: dict[str, Any]) -> Callable[[], Environment]:
+    """A no-argument constructor of the environment `spec` names, named for error messages by its spec."""
+    from protocols.imports import import_object
+
+    env_cls = import_object(spec)
+
+    def make_env():
+        return env_cls(**kwargs)
+
+    make_env.__name__ = f"environment.name {spec}"
+    return make_env
+
+
+def make_environment(make_env: Callable[[], Environment]) -> Environment:
+    """A new environment, checked against the interface (roles, max_turns)."""
+    name = getattr(make_env, "__name__", "the environment")
+    try:
+        env = make_env()
+    except UserError:
+        raise
+    except Exception as exc:
+        raise EnvironmentFault(f"{name}: constructing it with environment.kwargs raised {type(exc).__name__}: "
+                               f"{' '.join(str(exc).split())}; fix environment.kwargs or the constructor") from exc
+    problem = env_problem(env)
+    if problem:
+        raise EnvironmentFault(f"{type(env).__name__}: {problem}; fix the environment (check it with check_env)")
+    return env
 
 
 def _guard(episode: Episode, turn: int, what: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
+    except UserError:  # already one line naming its cause (e.g. a sandbox that cannot contain model code)
+        raise
     except Exception as exc:
         raise EnvironmentFault(f"episode {episode.index} turn {turn}: {type(episode.env).__name__}.{what} raised "
-                                f"{type(exc).__name__}: {exc}; fix the environment (check it with check_env)") from exc
+                                f"{type(exc).__name__}: {' '.join(str(exc).split())}; fix the environment "
+                                "(check it with check_env)") from exc
 
 
-def _check_reward(episode: Episode, turn: int, reward: Any) -> None:
-    values = reward.values() if isinstance(reward, dict) else [reward]
-    for value in values:
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise EnvironmentFault(f"episode {episode.index} turn {turn}: reward {reward!r} is not finite; "
-                                    "the environment must return finite rewards")
+def _check(episode: Episode, turn: int, what: str, problem: str | None) -> None:
+    if problem:
+        raise EnvironmentFault(f"episode {episode.index} turn {turn}: {type(episode.env).__name__}.{what}: {problem}; "
+                                "fix the environment (check it with check_env)")

@@ -49,17 +49,23 @@ class RoleAssignment:
 
     def __init__(self, config: RolesConfig):
         self.config = config
-        if config.cycle:
-            self.cycle = [dict(a) for a in config.cycle]
-        elif config.rotation == "none":
-            self.cycle = [dict(config.assignment)]
-        else:
-            roles = list(config.assignment)
-            agents = [config.assignment[r] for r in roles]
-            n = len(roles)
-            self.cycle = [{roles[i]: agents[(i + k) % n] for i in range(n)} for k in range(n)]
+        self.cycle = config.seatings()
 
     def __call__(self, episode: int, turn: int) -> dict[str, str]:
         rotation = self.config.rotation
         index = episode if rotation == "per_episode" else turn if rotation == "per_turn" else 0
         return self.cycle[index % len(self.cycle)]
+
+
+def seating_problem(roles: RolesConfig, possible_agents: list[str]) -> str | None:
+    """Why the seatings do not fit the environment's roles (a misspelt role, a role with no seat), or None."""
+    key = "roles.cycle" if roles.cycle else "roles.assignment"
+    seated = set(roles.seatings()[0])
+    unknown = sorted(seated - set(possible_agents))
+    if unknown:
+        return (f"{key}: role {unknown[0]!r} is not one of the environment's roles ({', '.join(possible_agents)}); "
+                "fix the name")
+    unseated = [r for r in possible_agents if r not in seated]
+    if unseated:
+        return f"{key}: the environment's role {unseated[0]!r} has no seat; seat every role (role: agent)"
+    return None

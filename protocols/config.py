@@ -23,6 +23,18 @@ class ConfigError(UserError, ValueError):
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.__doc__ = with_field_docs(cls)
+
+
+def with_field_docs(model: type[BaseModel]) -> str:
+    """The model's docstring followed by one line per field and its own docstring, so help() shows them."""
+    lines = [f"    {name}: {field.description}" for name, field in model.model_fields.items() if field.description]
+    head = (model.__doc__ or model.__name__).rstrip()
+    return head + ("\n\nFields:\n" + "\n".join(lines) if lines else "")
+
 
 # ---------------------------------------------------------------------------------------- agents
 class GenerationConfig(_Strict):
@@ -135,21 +147,47 @@ class EnvironmentConfig(_Strict):
 
 
 class RolesConfig(_Strict):
-    assignment: dict[str, str]
-    """Role -> agent for the first turn of the first episode; one agent may hold several roles."""
+    assignment: dict[str, str] | None = None
+    """Role -> agent (one agent may hold several roles); with a `cycle`, its first entry (may be omitted)."""
     rotation: Literal["none", "per_episode", "per_turn"] = "none"
-    """How often the assignment advances along the cycle."""
+    """How often the seating advances along the cycle: never, every episode, or every turn."""
     cycle: list[dict[str, str]] | None = None
-    """Explicit cycle of assignments; None: the rotations of `assignment` (role i gets role i+1's agent)."""
+    """Explicit cycle of seatings (needs a rotation); None: the rotations of `assignment` (role i gets role
+    i+1's agent)."""
+
+    @model_validator(mode="after")
+    def _seatings(self) -> RolesConfig:
+        if self.cycle is not None and not self.cycle:
+            raise ValueError("roles.cycle: give at least one seating, or leave it out")
+        if self.assignment is None and not self.cycle:
+            raise ValueError("roles.assignment: missing; seat every role (role: agent), or give roles.cycle")
+        if self.cycle and self.rotation == "none":
+            raise ValueError("roles.cycle: a cycle needs roles.rotation per_episode or per_turn (with rotation none "
+                             "only its first seating would ever be used)")
+        if self.cycle and self.assignment is not None and self.assignment != self.cycle[0]:
+            raise ValueError(f"roles.assignment: {self.assignment} differs from roles.cycle's first seating "
+                             f"{self.cycle[0]}; drop roles.assignment or make them equal")
+        return self
+
+    def seatings(self) -> list[dict[str, str]]:
+        """Every seating the run may use: the cycle, or the assignment's rotations (just it without rotation)."""
+        if self.cycle:
+            return [dict(a) for a in self.cycle]
+        roles = list(self.assignment)
+        if self.rotation == "none":
+            return [dict(self.assignment)]
+        agents = [self.assignment[r] for r in roles]
+        return [{roles[i]: agents[(i + k) % len(roles)] for i in range(len(roles))} for k in range(len(roles))]
 
 
 class ScheduleConfig(_Strict):
     kind: Literal["simultaneous", "alternate", "round_robin", "pattern"] = "simultaneous"
-    """Which agents update at each step."""
+    """Which agents update at each step: all trainable ones; two agents taking turns (`alternate`); any
+    number taking turns (`round_robin`); an explicit cycle of agent sets (`pattern`)."""
     period: int = Field(1, ge=1)
     """`alternate` / `round_robin`: steps each agent trains before the next one's turn."""
     order: list[str] | None = None
-    """`alternate` / `round_robin`: agents in turn order; None: the trainable agents as declared."""
+    """`alternate` (two agents) / `round_robin`: agents in turn order; None: the trainable agents as declared."""
     pattern: list[list[str]] | None = None
     """`pattern`: agent sets cycled one per step."""
     frozen: list[str] = []
@@ -181,7 +219,8 @@ class AlgorithmConfig(_Strict):
 # ------------------------------------------------------------------------------------- data/run
 class DataConfig(_Strict):
     path: str | None = None
-    """A json/jsonl/csv/parquet file, relative to the config file."""
+    """A json/jsonl/csv/parquet file, or a directory written by `datasets`' `save_to_disk` (a `Dataset`, or a
+    `DatasetDict` whose `split` is used), relative to the config file."""
     factory: str | None = None
     """`module:function` or `file.py:function` returning a `datasets.Dataset`."""
     kwargs: dict[str, Any] = {}
@@ -189,7 +228,7 @@ class DataConfig(_Strict):
     hub: str | None = None
     """A dataset name for `datasets.load_dataset` (needs the hub, or its local cache)."""
     split: str = "train"
-    """Split to use with `hub`."""
+    """Split to use with `hub`, or of a saved `DatasetDict` under `path`."""
     shuffle: bool = True
     """Reshuffle the data each epoch with the run's seed."""
 
@@ -198,6 +237,45 @@ class DataConfig(_Strict):
         given = [k for k in ("path", "factory", "hub") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"data: set exactly one of path, factory, hub (got {given or 'none'})")
+        if self.path is not None and self.kwargs:
+            raise ValueError(f"data.kwargs: {sorted(self.kwargs)} would be ignored: kwargs go to data.factory or "
+                             "data.hub, not data.path; remove them")
+        return self
+
+
+class EvalConfig(_Strict):
+    data: DataConfig
+    """Held-out samples (path, factory or hub, with split); none may also be a training sample."""
+    every: int = Field(0, ge=0)
+    """Evaluate every this many steps; always before the first step and after the last. 0: only those two."""
+    episodes_per_sample: int = Field(1, ge=1)
+    """Episodes played from each held-out sample (pass@k needs k of them)."""
+    max_samples: int | None = Field(None, ge=1)
+    """Evaluate on the first this many held-out samples; None: all."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature of evaluation episodes; 0 decodes greedily."""
+    environment_kwargs: dict[str, Any] = {}
+    """Environment kwargs for evaluation, over `environment.kwargs` (e.g. {opponent: random})."""
+    pass_k: list[int] = []
+    """k values of pass@k over each sample's episodes (unbiased estimator), where episodes report `success`."""
+    partners: dict[str, dict[str, str]] = {}
+    """Extra evaluations, label -> {agent: `initial` | `scripted` | a checkpoint or model directory}: that agent
+    plays at its initial weights, as the environment's scripted player, or with those weights; the others as trained."""
+    partner_resources: ResourcesConfig = ResourcesConfig(num_cpus=0.1)
+    """Resources of each partner's trainer (a frozen copy of its agent's model that only generates); on GPUs
+    give it a share, e.g. {num_gpus: 0.2}."""
+    seed: int | None = None
+    """Seed of evaluation episodes (the same at every evaluation, so curves compare like with like); None: train.seed."""
+
+    @model_validator(mode="after")
+    def _checks(self) -> EvalConfig:
+        for k in self.pass_k:
+            if not 1 <= k <= self.episodes_per_sample:
+                raise ValueError(f"eval.pass_k: k={k} needs 1 <= k <= eval.episodes_per_sample "
+                                 f"({self.episodes_per_sample}); raise episodes_per_sample or drop k")
+        for label in self.partners:
+            if not label or not all(c.isalnum() or c in "_-" for c in label):
+                raise ValueError(f"eval.partners: label {label!r} must be letters, digits, '_' or '-' (it names metrics)")
         return self
 
 
@@ -218,8 +296,12 @@ class TrainConfig(_Strict):
     """Run directory; `{name}` is the config file's stem, `{time}` the start time."""
     max_restarts: int = Field(3, ge=0)
     """Times a dead or hung trainer is restarted (all trainers restored from the last checkpoint) before the run stops."""
-    call_timeout_s: float | None = Field(None, gt=0.0)
-    """A generate or update taking longer than this counts as a hung trainer; None waits forever."""
+    call_timeout_s: float | None = Field(3600.0, gt=0.0)
+    """A generate or update taking longer than this counts as a hung trainer (Ray trainers); None waits forever."""
+    checkpoint_timeout_s: float | None = Field(3600.0, gt=0.0)
+    """A trainer's save or load taking longer than this counts as a hung trainer (Ray trainers); None waits forever."""
+    start_timeout_s: float | None = Field(1800.0, gt=0.0)
+    """Trainers not up (model loaded) this long after placement fail the start (Ray trainers); None waits forever."""
     transcripts_per_step: int = Field(2, ge=0)
     """Episodes per step written whole to transcripts.jsonl."""
     progress: bool = True
@@ -265,6 +347,8 @@ class RunConfig(_Strict):
     """Optional metric sinks."""
     ray: RayConfig = RayConfig()
     """Ray cluster settings."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation during the run and for `marsi eval`; None: none."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
@@ -286,14 +370,19 @@ class RunConfig(_Strict):
                 raise ValueError(f"agents.{name}.rollout.vllm.sleep_mode: true frees GPU memory during updates, but "
                                  f"agents.{name}.resources.num_gpus is 0 (vLLM has no sleep mode on CPU); set "
                                  f"agents.{name}.rollout.vllm.sleep_mode: false or give the agent a GPU")
-        known("roles.assignment", list(self.roles.assignment.values()))
-        for i, assignment in enumerate(self.roles.cycle or []):
-            known(f"roles.cycle.{i}", list(assignment.values()))
-            if set(assignment) != set(self.roles.assignment):
+        seatings = self.roles.seatings()
+        for i, seating in enumerate(seatings):
+            known(f"roles.cycle.{i}" if self.roles.cycle else "roles.assignment", list(seating.values()))
+            if set(seating) != set(seatings[0]):
                 raise ValueError(
-                    f"roles.cycle.{i}: roles {sorted(assignment)} differ from roles.assignment's "
-                    f"{sorted(self.roles.assignment)}; every assignment must seat the same roles"
+                    f"roles.cycle.{i}: roles {sorted(seating)} differ from the first seating's {sorted(seatings[0])}; "
+                    "every seating must seat the same roles"
                 )
+        seated = {agent for seating in seatings for agent in seating.values()}
+        for name in agents:
+            if name not in seated:
+                raise ValueError(f"agents.{name}: holds no role in roles.assignment or roles.cycle, so it would load "
+                                 "and never act; seat it or remove it")
         known("schedule.frozen", self.schedule.frozen)
         known("schedule.order", self.schedule.order or [])
         for i, group in enumerate(self.schedule.pattern or []):
@@ -303,19 +392,30 @@ class RunConfig(_Strict):
         frozen_ordered = set(self.schedule.order or []) & set(self.schedule.frozen)
         if frozen_ordered:
             raise ValueError(f"schedule.order: {sorted(frozen_ordered)} are also in schedule.frozen; remove them from one")
+        for i, group in enumerate(self.schedule.pattern or []):
+            frozen_listed = sorted(set(group) & set(self.schedule.frozen))
+            if frozen_listed:
+                raise ValueError(f"schedule.pattern.{i}: {frozen_listed} are also in schedule.frozen; remove them from one")
+        if self.schedule.kind == "alternate":
+            takers = self.schedule.order or [a for a in agents if a not in self.schedule.frozen]
+            if len(takers) != 2:
+                raise ValueError(f"schedule.kind: alternate takes turns between two agents, got {len(takers)} "
+                                 f"({', '.join(takers) or 'none'}); use round_robin for any number, or set schedule.order")
         if self.algorithm.baseline == "group" and self.train.num_generations < 2:
             raise ValueError(
                 f"train.num_generations: group-relative advantages need at least 2 episodes per group "
                 f"(got {self.train.num_generations}); set train.num_generations >= 2 or algorithm.baseline=ema"
             )
-        seatings = len(self.roles.cycle) if self.roles.cycle else len(self.roles.assignment)
-        if (self.algorithm.baseline == "group" and self.roles.rotation == "per_episode" and seatings > 1
-                and "role" in self.algorithm.group_by and self.train.num_generations // seatings < 2):
+        for label, held in (self.eval.partners if self.eval else {}).items():
+            known(f"eval.partners.{label}", list(held))
+        distinct = len({tuple(sorted(seating.items())) for seating in seatings})
+        if (self.algorithm.baseline == "group" and self.roles.rotation == "per_episode" and distinct > 1
+                and "role" in self.algorithm.group_by and self.train.num_generations // distinct < 2):
             raise ValueError(
-                f"train.num_generations: with roles.rotation per_episode over {seatings} seatings, each (agent, role) "
-                f"group of a sample gets num_generations / {seatings} episodes, fewer than 2 with "
+                f"train.num_generations: with roles.rotation per_episode over {distinct} seatings, each (agent, role) "
+                f"group of a sample gets num_generations / {distinct} episodes, fewer than 2 with "
                 f"num_generations={self.train.num_generations}; set train.num_generations to a multiple of "
-                f"{seatings} that is at least {2 * seatings}"
+                f"{distinct} that is at least {2 * distinct}"
             )
         return self
 
@@ -352,7 +452,7 @@ def _describe(error: dict[str, Any], model: type[BaseModel]) -> str:
         allowed = ", ".join(parent.model_fields) if parent else "see `marsi schema`"
         return f"{key}: unknown key; allowed keys here: {allowed}"
     msg = error["msg"].removeprefix("Value error, ")
-    if not loc or msg.startswith(f"{key}: "):
+    if not loc or msg.startswith((f"{key}: ", f"{key}.")):  # a cross-field check that names its own keys
         return msg
     if error["type"] == "missing":
         return f"{key}: missing; this key is required (see `marsi schema`)"
@@ -380,20 +480,71 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
+def _local_path(value: str, base: Path) -> Path | None:
+    """The absolute path `value` names if it is a local path (relative to `base`), or None (a hub id, a built-in).
+    `./x`, `../x`, `~/x` and `/x` are paths; `org/name` is a path only if it exists under `base`."""
+    if value.startswith("builtin:"):
+        return None
+    path = Path(value).expanduser()
+    if value.startswith(("./", "../", "~", "/")) or (base / path).exists():
+        return (base / path).resolve()
+    return None
+
+
+_MAX_VALUES = 100_000  # a config this large after alias expansion is an attack (a "billion laughs"), not a run
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the later one would silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is not None and key != "<<" and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (each key may appear once; the later one would win)",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _expanded_size(value: Any, budget: int) -> int:
+    """Values in `value` with every shared (aliased) node counted each time it appears; stops past `budget`."""
+    count, stack = 0, [value]
+    while stack and count <= budget:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return count
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None, *, check_imports: bool = True) -> RunConfig:
     """Read, override and validate a run config; any problem raises a one-line `ConfigError`."""
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config ({exc.strerror}); check the path") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); "
+                          "save the file as UTF-8") from None
+    try:
+        raw = yaml.load(text, Loader=_StrictLoader) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}{where}: malformed YAML: {problem}; fix the syntax there") from None
+    if _expanded_size(raw, _MAX_VALUES) > _MAX_VALUES:
+        raise ConfigError(f"{path}: expands to more than {_MAX_VALUES:,} values through YAML aliases (*name); "
+                          "write the values out, or use fewer nested aliases")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections (agents, environment, ...), got {type(raw).__name__}")
     try:
@@ -411,22 +562,46 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
         errors = exc.errors()
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise ConfigError(f"{source}: {_describe(errors[0], RunConfig)}{more}") from None
-    # Paths relative to the config file become absolute, so the resolved config stands alone.
+    # Paths relative to the config file become absolute (and ~ is expanded), so the resolved config stands alone.
     base = Path(source).resolve().parent if str(source) != "<config>" else Path.cwd()
     config.environment.name = absolute_spec(config.environment.name, base)
-    if config.data.factory is not None:
-        config.data.factory = absolute_spec(config.data.factory, base)
-    if config.data.path is not None:
-        config.data.path = str((base / config.data.path).resolve())
-    if check_imports:
-        for key, spec in (("environment.name", config.environment.name), ("data.factory", config.data.factory)):
-            if spec is None:
-                continue
+    for key, data in (("data", config.data), ("eval.data", config.eval.data if config.eval else None)):
+        if data is None:
+            continue
+        if data.factory is not None:
+            data.factory = absolute_spec(data.factory, base)
+        if data.path is not None:
+            data.path = str((base / Path(data.path).expanduser()).resolve())
+        if check_imports and data.path is not None and not Path(data.path).exists():
+            raise ConfigError(f"{source}: {key}.path: file {data.path!r} not found; fix the path")
+        if check_imports and data.factory is not None:
             try:
-                import_object(spec)
+                import_object(data.factory)
             except ImportPathError as exc:
-                raise ConfigError(f"{source}: {key}: {exc}") from None
-        if config.data.path is not None and not Path(config.data.path).exists():
-            raise ConfigError(f"{source}: data.path: file {config.data.path!r} not found; fix the path")
+                raise ConfigError(f"{source}: {key}.factory: {exc}") from None
+    for label, held in (config.eval.partners if config.eval else {}).items():
+        for agent, source_weights in held.items():
+            if source_weights not in ("initial", "scripted"):
+                local = (base / Path(source_weights).expanduser()).resolve()
+                if check_imports and not local.is_dir():
+                    raise ConfigError(f"{source}: eval.partners.{label}.{agent}: {str(local)!r} is not a directory; give "
+                                      "initial, scripted, or a checkpoint or model directory")
+                held[agent] = str(local)
+    for name, agent in config.agents.items():
+        for key in ("model", "tokenizer"):
+            value = getattr(agent, key)
+            if value is None:
+                continue
+            local = _local_path(value, base)
+            if local is not None:
+                if check_imports and not local.exists():
+                    raise ConfigError(f"{source}: agents.{name}.{key}: {str(local)!r} not found; give an existing "
+                                      "directory (relative to the config file), a hub id, or a built-in")
+                setattr(agent, key, str(local))
+    if check_imports:
+        try:
+            import_object(config.environment.name)
+        except ImportPathError as exc:
+            raise ConfigError(f"{source}: environment.name: {exc}") from None
     return config
 

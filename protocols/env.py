@@ -8,10 +8,15 @@ carry per-role details. One turn: every acting role gets a prompt and answers wi
 from __future__ import annotations
 
 import abc
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 from protocols.messages import Prompt
+
+MAX_ABS_REWARD = 1e12
+"""Rewards beyond this are refused as a bug (a sentinel value, an overflow): scale them down."""
 
 Reward = float | dict[str, float]
 """A shared team reward, or one reward per role (zero-sum games)."""
@@ -48,5 +53,70 @@ class Environment(abc.ABC):
         """Apply one text action per acting role; never raise on bad model text (report it in infos)."""
 
     def episode_info(self) -> dict[str, Any]:
-        """Scalar metrics of the finished episode (accuracy, win, legal-move rate); logged per episode."""
+        """Scalar metrics of the finished episode (accuracy, win, legal-move rate); logged per episode.
+        A `success` entry (1 or 0) marks a solved episode: evaluation reports its rate and pass@k."""
         return {}
+
+    def scripted_action(self, role: str, prompt: Prompt) -> str:
+        """An answer for `role` from a player the environment scripts (a random or rule-based opponent), for
+        evaluations that seat it (`eval.partners: {label: {agent: scripted}}`). Optional."""
+        raise NotImplementedError(f"{type(self).__name__} has no scripted player (define scripted_action)")
+
+
+# ------------------------------------------------------------------------------------- contract checks
+# Each returns why a value breaks the interface (one phrase), or None; `check_env` and the rollout share them.
+def env_problem(env: Any) -> str | None:
+    roles = getattr(env, "possible_agents", None)
+    if not isinstance(roles, (list, tuple)) or not roles or not all(isinstance(r, str) for r in roles) \
+            or len(set(roles)) != len(roles):
+        return f"possible_agents must be a non-empty list of distinct role names, got {roles!r}"
+    turns = getattr(env, "max_turns", None)
+    if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
+        return f"max_turns must be a positive int, got {turns!r}"
+    return None
+
+
+def prompts_problem(prompts: Any, roles: list[str]) -> str | None:
+    if not isinstance(prompts, dict):
+        return f"prompts must be a dict role -> prompt, got {type(prompts).__name__}"
+    for role, prompt in prompts.items():
+        if role not in roles:
+            return f"role {role!r} is not in possible_agents {list(roles)}"
+        texts = [prompt] if isinstance(prompt, str) else (
+            [m.get("content") for m in prompt] if isinstance(prompt, list) and all(
+                isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt) else None)
+        if texts is None or not all(isinstance(t, str) for t in texts):
+            return f"prompt of {role!r} must be a str or a list of chat messages with str content, got {prompt!r:.80}"
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return f"prompt of {role!r} is not valid text ({exc.reason} at position {exc.start})"
+    return None
+
+
+def as_reward(reward: Any, roles: list[str]) -> tuple[float | dict[str, float] | None, str | None]:
+    """(reward as plain floats, None), or (None, why it breaks the interface). Numpy numbers are accepted."""
+    values = reward if isinstance(reward, dict) else {"": reward}
+    out = {}
+    for role, value in values.items():
+        if role != "" and role not in roles:
+            return None, f"reward for unknown role {role!r}"
+        if not isinstance(value, numbers.Real):
+            return None, f"reward {value!r} is not a number"
+        value = float(value)
+        if not math.isfinite(value):
+            return None, f"reward {value!r} is not finite"
+        if abs(value) > MAX_ABS_REWARD:
+            return None, f"reward {value!r} is beyond +-{MAX_ABS_REWARD:g}"
+        out[role] = value
+    return (out[""] if "" in out else out), None
+
+
+def episode_info_problem(info: Any) -> str | None:
+    if not isinstance(info, dict):
+        return f"episode_info must return a dict of numbers, got {type(info).__name__}"
+    for key, value in info.items():
+        if not isinstance(key, str) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            return f"episode_info[{key!r}] must be a finite number, got {value!r:.80}"
+    return None

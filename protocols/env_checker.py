@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any, Callable
 
-from protocols.env import Environment, StepResult
+from protocols.env import Environment, StepResult, as_reward, env_problem, episode_info_problem, prompts_problem
 
 
 class EnvCheckError(AssertionError):
@@ -27,26 +26,15 @@ def _empty_action(role: str, prompt: Any, rng: random.Random) -> str:
 
 
 def _check_prompts(env: Environment, prompts: Any, where: str) -> None:
-    if not isinstance(prompts, dict):
-        raise EnvCheckError(f"{where}: prompts must be a dict role -> prompt, got {type(prompts).__name__}")
-    for role, prompt in prompts.items():
-        if role not in env.possible_agents:
-            raise EnvCheckError(f"{where}: role {role!r} is not in possible_agents {env.possible_agents}")
-        ok = isinstance(prompt, str) or (
-            isinstance(prompt, list)
-            and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
-        )
-        if not ok:
-            raise EnvCheckError(f"{where}: prompt of {role!r} must be a str or a list of chat messages")
+    problem = prompts_problem(prompts, env.possible_agents)
+    if problem:
+        raise EnvCheckError(f"{where}: {problem}")
 
 
 def _check_reward(env: Environment, result: StepResult, where: str) -> None:
-    rewards = result.reward if isinstance(result.reward, dict) else {"shared": result.reward}
-    for role, value in rewards.items():
-        if role != "shared" and role not in env.possible_agents:
-            raise EnvCheckError(f"{where}: reward for unknown role {role!r}")
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise EnvCheckError(f"{where}: reward {value!r} of {role!r} is not a finite number")
+    _, problem = as_reward(result.reward, env.possible_agents)
+    if problem:
+        raise EnvCheckError(f"{where}: {problem}")
 
 
 def play_episode(env: Environment, sample: dict[str, Any], seed: int, action_fn: ActionFn, rng: random.Random,
@@ -93,10 +81,9 @@ def check_env(env: Environment, samples: list[dict[str, Any]], action_fn: Action
     """
     if not isinstance(env, Environment):
         raise EnvCheckError(f"{type(env).__name__} must subclass protocols.env.Environment")
-    if not env.possible_agents or len(set(env.possible_agents)) != len(env.possible_agents):
-        raise EnvCheckError("possible_agents must be a non-empty list of distinct role names")
-    if not isinstance(env.max_turns, int) or env.max_turns < 1:
-        raise EnvCheckError(f"max_turns must be a positive int, got {env.max_turns!r}")
+    problem = env_problem(env)
+    if problem:
+        raise EnvCheckError(problem)
     if not samples:
         raise EnvCheckError("check_env needs at least one sample")
     fns = [("junk", _junk_action), ("empty", _empty_action)] + ([("given", action_fn)] if action_fn else [])
@@ -105,9 +92,9 @@ def check_env(env: Environment, samples: list[dict[str, Any]], action_fn: Action
             sample = samples[i % len(samples)]
             where = f"{name} actions, episode {i}"
             first = play_episode(env, sample, seed + i, fn, random.Random(i), where)
-            info = env.episode_info()
-            if not isinstance(info, dict) or not all(isinstance(v, (int, float, bool)) for v in info.values()):
-                raise EnvCheckError(f"{where}: episode_info must be a dict of numbers, got {info!r}")
+            problem = episode_info_problem(env.episode_info())
+            if problem:
+                raise EnvCheckError(f"{where}: {problem}")
             again = play_episode(env, sample, seed + i, fn, random.Random(i), where + " (replay)")
             if [(p, r.reward, r.terminated, r.truncated) for p, r in first] != \
                [(p, r.reward, r.terminated, r.truncated) for p, r in again]:

@@ -18,8 +18,8 @@ class ImportPathError(UserError, ImportError):
 def absolute_spec(spec: str, base_dir: Path) -> str:
     """Make the file part of a `file.py:Name` spec absolute against `base_dir`; module specs pass through."""
     module, sep, name = spec.rpartition(":")
-    if sep and module.endswith(".py") and not Path(module).is_absolute():
-        return f"{(base_dir / module).resolve()}:{name}"
+    if sep and module.endswith(".py"):
+        return f"{(base_dir / Path(module).expanduser()).resolve()}:{name}"
     return spec
 
 

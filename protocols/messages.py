@@ -15,7 +15,14 @@ Prompt = str | list[ChatMessage]
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs) -> None:
+        from protocols.config import with_field_docs
+
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.__doc__ = with_field_docs(cls)
 
 
 class GenerateRequest(_Message):
@@ -25,8 +32,8 @@ class GenerateRequest(_Message):
     """Seeds the sampling, so a request replays exactly."""
     max_completion_length: int | None = Field(None, ge=1)
     """Overrides the agent's setting for this request."""
-    temperature: float | None = Field(None, gt=0.0)
-    """Overrides the agent's setting for this request."""
+    temperature: float | None = Field(None, ge=0.0)
+    """Overrides the agent's setting for this request; 0 decodes greedily (evaluation)."""
 
 
 class Completion(_Message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import datasets
@@ -15,13 +16,15 @@ HERE = Path(__file__).resolve().parent
 class LetterEnv(Environment):
     """Every role is asked for the sample's letter on each of `turns` turns; shared reward: fraction right.
     With `zero_sum`, the first role gets +1 / -1 when it alone is right / wrong, the others the opposite.
-    Roles in `silent` are seated but never prompted."""
+    Roles in `silent` are seated but never prompted; `delay` seconds pass in every reset."""
 
-    def __init__(self, roles=("x",), turns=1, zero_sum=False, silent=()):
+    def __init__(self, roles=("x",), turns=1, zero_sum=False, silent=(), delay=0.0):
         self.possible_agents, self.max_turns, self.zero_sum = list(roles), turns, zero_sum
         self.acting = [r for r in self.possible_agents if r not in silent]
+        self.delay = delay
 
     def reset(self, sample, seed=None):
+        time.sleep(self.delay)
         self.target, self.turn, self.hits = sample["target"], 0, 0
         return {r: f"Say {self.target}" for r in self.acting}
 
@@ -41,11 +44,20 @@ class LetterEnv(Environment):
         return StepResult(prompts=prompts, reward=reward, terminated=done, infos=infos)
 
     def episode_info(self):
-        return {"hits": float(self.hits)}
+        return {"hits": float(self.hits), "success": float(self.hits == self.turn * len(self.acting))}
+
+    def scripted_action(self, role, prompt):
+        """A scripted player that always knows the letter."""
+        return self.target
 
 
 def letters(n: int = 8) -> datasets.Dataset:
     return datasets.Dataset.from_list([{"target": "abcd"[i % 4]} for i in range(n)])
+
+
+def held_out(n: int = 4) -> datasets.Dataset:
+    """Evaluation samples, none of them a training sample (`letters`)."""
+    return datasets.Dataset.from_list([{"target": "abcd"[i % 4], "held_out": i} for i in range(n)])
 
 
 def config(agents=("a", "b"), roles=None, *, turns=1, ray=False, **sections) -> dict:
@@ -98,3 +110,42 @@ def empty() -> datasets.Dataset:
 
 def raising_factory() -> datasets.Dataset:
     raise FileNotFoundError("tasks.jsonl")
+
+
+class FaultyEnv(LetterEnv):
+    """LetterEnv that breaks the interface in one way, named by `fault`."""
+
+    def __init__(self, fault="", **kwargs):
+        if fault == "constructor":
+            raise TypeError("FaultyEnv() got an unexpected keyword argument 'levels'")
+        super().__init__(**kwargs)
+        self.fault = fault
+        if fault == "max_turns_none":
+            self.max_turns = None
+
+    def reset(self, sample, seed=None):
+        prompts = super().reset(sample, seed)
+        if self.fault == "reset_none":
+            return None
+        if self.fault == "bytes_prompt":
+            return {r: p.encode() for r, p in prompts.items()}
+        if self.fault == "surrogate_prompt":
+            return {r: p + "\ud800" for r, p in prompts.items()}
+        return prompts
+
+    def step(self, actions):
+        result = super().step(actions)
+        if self.fault == "step_none":
+            return None
+        if self.fault == "step_dict":
+            return {"prompts": result.prompts, "reward": result.reward}
+        if self.fault == "huge_reward":
+            result.reward = 1e308
+        if self.fault == "numpy_reward":
+            import numpy as np
+
+            result.reward = np.float32(result.reward)
+        return result
+
+    def episode_info(self):
+        return {"hits": "many"} if self.fault == "info_text" else super().episode_info()

@@ -25,7 +25,10 @@ def cfg(tmp_path, edit=None, text=None):
     if edit:
         edit(raw)
     path = tmp_path / "run.yaml"
-    path.write_text(text if text is not None else yaml.safe_dump(raw))
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text if text is not None else yaml.safe_dump(raw))
     return path
 
 
@@ -44,6 +47,19 @@ def broken_env(fail, after=0):
         raw["environment"]["name"] = f"{ENVS}:BrokenEnv"
         raw["environment"]["kwargs"].update(fail=fail, after=after, token=f"{fail}-{after}-{id(raw)}")
     return edit
+
+
+def faulty_env(fault):
+    def edit(raw):
+        raw["environment"]["name"] = f"{ENVS}:FaultyEnv"
+        raw["environment"]["kwargs"]["fault"] = fault
+    return edit
+
+
+def _alias_bomb() -> str:
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    return "\n".join(lines) + "\n"
 
 
 def run(edit=None, *extra, text=None):
@@ -73,7 +89,7 @@ CASES = {
                                       "each (agent, role) group of a sample gets num_generations / 2 episodes"),
     "bad_override": (run(None, "train.steps"), "expected dotted.key=value"),
     "model_path_missing": (run(setter("agents.a.model", "/no/such/model")),
-                           "agent 'a' could not start: OSError: cannot load model '/no/such/model'"),
+                           "agents.a.model: '/no/such/model' not found; give an existing directory"),
     "unknown_builtin": (run(setter("agents.b.model", "builtin:huge")), "unknown built-in model 'builtin:huge'"),
     "prompt_longer_than_context": (run(setter("agents.a.generation", {"max_prompt_length": 1020,
                                                                       "max_completion_length": 8})),
@@ -84,9 +100,23 @@ CASES = {
                                "agents.b.rollout.vllm.sleep_mode: true frees GPU memory during updates"),
     "env_raises_in_reset": (run(broken_env("reset")), "episode 0 turn 0: BrokenEnv.reset raised KeyError"),
     "env_raises_in_step": (run(broken_env("step")), "BrokenEnv.step raised ZeroDivisionError"),
-    "env_role_without_agent": (run(setter("environment.kwargs", {"roles": ["r0", "r9"]})),
-                               "role 'r9' has no agent in roles.assignment"),
+    "role_not_in_environment": (run(setter("environment.kwargs", {"roles": ["r0", "r9"]})),
+                                "roles.assignment: role 'r1' is not one of the environment's roles (r0, r9)"),
+    "environment_role_unseated": (run(setter("environment.kwargs", {"roles": ["r0", "r1", "r2"]})),
+                                  "roles.assignment: the environment's role 'r2' has no seat"),
     "nan_reward": (run(broken_env("nan")), "reward nan is not finite"),
+    "env_constructor_raises": (run(faulty_env("constructor")), "envs.py:FaultyEnv: constructing it with environment.kwargs raised TypeError"),
+    "env_max_turns_none": (run(faulty_env("max_turns_none")), "FaultyEnv: max_turns must be a positive int"),
+    "env_reset_returns_none": (run(faulty_env("reset_none")), "FaultyEnv.reset: prompts must be a dict"),
+    "env_step_returns_none": (run(faulty_env("step_none")), "FaultyEnv.step: must return a StepResult, got NoneType"),
+    "env_step_returns_dict": (run(faulty_env("step_dict")), "FaultyEnv.step: must return a StepResult, got dict"),
+    "env_huge_reward": (run(faulty_env("huge_reward")), "reward 1e+308 is beyond +-1e+12"),
+    "env_bytes_prompt": (run(faulty_env("bytes_prompt")), "prompt of 'r0' must be a str or a list of chat messages"),
+    "env_surrogate_prompt": (run(faulty_env("surrogate_prompt")), "prompt of 'r0' is not valid text"),
+    "env_info_not_numbers": (run(faulty_env("info_text")), "episode_info['hits'] must be a finite number"),
+    "yaml_duplicate_key": (run(text="train: {steps: 2}\ntrain: {seed: 1}\n"), "duplicate key 'train'"),
+    "yaml_not_utf8": (run(text=b"train: {steps: 2}\n# caf\xe9\n"), "not UTF-8 text (byte 0xe9 at offset 23)"),
+    "yaml_alias_bomb": (run(text=_alias_bomb()), "expands to more than 100,000 values through YAML aliases"),
     "infinite_reward": (run(broken_env("inf")), "reward inf is not finite"),
     "resume_without_checkpoint": (lambda tmp_path: ["resume", str(_run_dir_without_checkpoint(tmp_path))],
                                   "no complete checkpoint to resume from"),
@@ -122,5 +152,11 @@ def test_an_environment_failure_leaves_the_last_checkpoint_intact(tmp_path, caps
 
 
 def test_the_docs_table_lists_every_case():
-    documented = set(re.findall(r"^\| `([a-z_]+)` \|", DOC.read_text(), flags=re.M))
+    documented = set(re.findall(r"^\| `([a-z0-9_]+)` \|", DOC.read_text(), flags=re.M))
     assert documented == set(CASES)
+
+
+def test_numpy_rewards_are_accepted(tmp_path, capsys):
+    assert main(run(faulty_env("numpy_reward"))(tmp_path)) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(isinstance(r["reward/mean"], float) for r in rows)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
 import shutil
 import socket
@@ -12,16 +14,21 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
+from orchestrator.cli import build_parser, main
+from protocols.config import ConfigError
 from tests.envs import config
 
 MARSI = [sys.executable, "-m", "orchestrator.cli"]
+RAY_DEFAULTS = {"RAY_AUTH_MODE": None, "RAY_ADDRESS": None}  # Ray as a user gets it: token auth on by default
 
 
 def marsi(*args, env=None, timeout=300):
-    return subprocess.run([*MARSI, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    """`marsi ARGS` in a subprocess; `env` adds variables to this one's, and removes those given as None."""
+    merged = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    return subprocess.run([*MARSI, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=merged)
 
 
 def write(tmp_path, raw, name="run.yaml"):
@@ -40,8 +47,9 @@ def without_times(rows):
 
 def test_run_writes_a_complete_run_directory_and_resume_continues_it(tmp_path):
     cfg = write(tmp_path, config(ray=True, train={"steps": 2, "checkpoint_every": 1, "keep_checkpoints": 1}))
-    out = marsi("run", cfg, "--run-dir", tmp_path / "run")
+    out = marsi("run", cfg, "--run-dir", tmp_path / "run", env=RAY_DEFAULTS)
     assert out.returncode == 0, out.stderr
+    assert "Token authentication" not in out.stderr and "WARNING" not in out.stderr, out.stderr  # Ray's start-up noise
     assert "reward/mean: first" in out.stdout
     run = tmp_path / "run"
     rows = metrics(run)
@@ -59,9 +67,10 @@ def test_run_writes_a_complete_run_directory_and_resume_continues_it(tmp_path):
     state = json.loads((ckpt / "coordinator.json").read_text())
     assert state["step"] == 2 and state["data"] == {"epoch": 0, "index": 4} and "schedule_phase" in state
 
-    out = marsi("resume", run, "train.steps=3")
+    out = marsi("resume", run, "train.steps=3", env=RAY_DEFAULTS)
     assert out.returncode == 0, out.stderr
     assert "resuming" in out.stderr and [r["step"] for r in metrics(run)] == [1, 2, 3]
+    assert "Token authentication" not in out.stderr and "WARNING" not in out.stderr, out.stderr
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path):
@@ -79,8 +88,8 @@ def test_validate_prints_schedule_and_roles(tmp_path):
     raw["train"]["num_generations"] = 4  # two episodes per seating in each sample's group
     out = marsi("validate", write(tmp_path, raw), "--steps", "2")
     assert out.returncode == 0, out.stderr
-    assert "step 0: trains a" in out.stdout and "step 1: trains b" in out.stdout
-    assert "episode 0 turns 0..0: r0=a r1=b" in out.stdout and "episode 1 turns 0..0: r0=b r1=a" in out.stdout
+    assert "step 1: trains a" in out.stdout and "step 2: trains b" in out.stdout
+    assert "episode 1: turn 1: r0=a* r1=b*" in out.stdout and "episode 2: turn 1: r0=b* r1=a*" in out.stdout
 
 
 def test_schema_is_json_schema():
@@ -96,7 +105,7 @@ def test_plot_writes_pngs(tmp_path):
                                                + "\n" for s in range(1, 5)))
     out = marsi("plot", run)
     assert out.returncode == 0, out.stderr
-    for name in ("reward.png", "loss.png"):
+    for name in ("plot.png", "reward.png", "loss.png"):
         assert (run / name).read_bytes()[:4] == b"\x89PNG"
 
 
@@ -144,4 +153,47 @@ def test_run_joins_a_separately_started_cluster(tmp_path):
 def test_overrides_may_follow_options(tmp_path):
     out = marsi("validate", write(tmp_path, config(train={"steps": 5})), "--steps", "3", "train.steps=1")
     assert out.returncode == 0, out.stderr
-    assert "step 0:" in out.stdout and "step 1:" not in out.stdout
+    assert "step 1:" in out.stdout and "step 2:" not in out.stdout
+
+
+def test_debug_shows_the_traceback_before_or_after_the_subcommand(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    for argv in (["--debug", "run", str(missing)], ["run", str(missing), "--debug"],
+                 ["run", str(missing), "train.steps=1", "--debug"], ["validate", "--debug", str(missing)]):
+        with pytest.raises(ConfigError, match="cannot read config"):
+            main(argv)
+    assert main(["run", str(missing)]) == 2
+    assert capsys.readouterr().err == (f"marsi: error: {missing}: cannot read config (No such file or directory); "
+                                       "check the path\n")
+    out = marsi("plot", tmp_path, "--debug")  # and in a subprocess: the traceback is printed
+    assert out.returncode == 1 and "Traceback (most recent call last)" in out.stderr
+    assert "FileNotFoundError: " in out.stderr and "marsi: error" not in out.stderr
+
+
+def test_every_argument_has_help():
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert {"plot", "resume", "run", "schema", "validate"} <= set(subcommands.choices)
+    for name, sub in [("marsi", parser), *subcommands.choices.items()]:
+        for action in sub._actions:
+            assert action.help and action.help != argparse.SUPPRESS, f"{name} {action.dest}: no help text"
+        assert any(a.dest == "debug" for a in sub._actions), f"{name}: no --debug"
+    assert {a.dest for a in subcommands._choices_actions} == set(subcommands.choices)  # each subcommand has help
+
+
+def test_quiet_ray_startup_drops_only_the_token_notice():
+    from agent_trainer.actor import _RAY_AUTH_LOGGER, quiet_ray_startup
+
+    quiet_ray_startup()
+    quiet_ray_startup()  # twice adds one filter
+    logger, seen = logging.getLogger(_RAY_AUTH_LOGGER), []
+    assert len(logger.filters) == 1
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage()[:40])
+    logger.addHandler(handler)  # Ray's loggers do not propagate to the root logger
+    try:
+        logger.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+        logger.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["Token authentication is disabled for thi"]

@@ -20,7 +20,7 @@ def base() -> dict[str, Any]:
     return {
         "agents": {"a": {"model": "builtin:tiny"}, "b": {"model": "builtin:tiny"}},
         "environment": {"name": f"{ENV_FILE}:OkEnv"},
-        "roles": {"assignment": {"speaker": "a"}},
+        "roles": {"assignment": {"speaker": "a", "listener": "b"}},
         "data": {"path": str(FIXTURES / "data.jsonl")},
     }
 
@@ -76,7 +76,21 @@ BAD = [
     ("missing_section", edit("environment"), [], ["environment: missing; this key is required"]),
     ("no_agents", edit("agents", {}), [], ["agents: define at least one agent"]),
     ("roles_unknown_agent", edit("roles.assignment.speaker", "c"), [], ["roles.assignment: agent 'c' is not defined; defined agents: a, b"]),
-    ("cycle_other_roles", edit("roles.cycle", [{"listener": "a"}]), [], ["roles.cycle.0: roles ['listener'] differ", "must seat the same roles"]),
+    ("cycle_other_roles", edit("roles", {"rotation": "per_turn", "cycle": [{"speaker": "a", "listener": "b"}, {"listener": "a"}]}), [],
+     ["roles.cycle.1: roles ['listener'] differ from the first seating's ['listener', 'speaker']", "must seat the same roles"]),
+    ("cycle_without_rotation", edit("roles", {"cycle": [{"speaker": "a", "listener": "b"}]}), [],
+     ["roles.cycle: a cycle needs roles.rotation per_episode or per_turn"]),
+    ("cycle_differs_from_assignment", edit("roles.cycle", [{"speaker": "b", "listener": "a"}]), ["roles.rotation=per_turn"],
+     ["roles.assignment: {'listener': 'b', 'speaker': 'a'} differs from roles.cycle's first seating"]),
+    ("no_seating", edit("roles", {"rotation": "per_turn"}), [], ["roles.assignment: missing; seat every role (role: agent), or give roles.cycle"]),
+    ("agent_without_role", edit("roles.assignment", {"speaker": "a"}), [],
+     ["agents.b: holds no role in roles.assignment or roles.cycle, so it would load and never act"]),
+    ("alternate_three_agents", edit("agents.c", {"model": "builtin:tiny"}), ["roles.assignment.critic=c", "schedule.kind=alternate"],
+     ["schedule.kind: alternate takes turns between two agents, got 3 (a, b, c); use round_robin"]),
+    ("pattern_names_frozen", edit("schedule", {"kind": "pattern", "pattern": [["a", "b"]], "frozen": ["b"]}), [],
+     ["schedule.pattern.0: ['b'] are also in schedule.frozen"]),
+    ("data_kwargs_with_path", edit("data.kwargs", {"n": 3}), [], ["data.kwargs: ['n'] would be ignored"]),
+    ("model_path_missing", edit("agents.a.model", "./models/nope"), [], ["agents.a.model: ", "models/nope' not found"]),
     ("frozen_unknown_agent", edit("schedule.frozen", ["zed"]), [], ["schedule.frozen: agent 'zed' is not defined; defined agents: a, b"]),
     ("order_unknown_agent", edit("schedule.order", ["a", "zed"]), [], ["schedule.order: agent 'zed' is not defined; defined agents: a, b"]),
     ("pattern_unknown_agent", edit("schedule.pattern", [["a"], ["zed"]]), [], ["schedule.pattern.1: agent 'zed' is not defined"]),
@@ -140,7 +154,7 @@ def test_valid_example_resolves_paths_against_the_config_file(tmp_path: Path, mo
     assert list(config.agents) == ["a", "b"]
     assert config.agents["a"].optimizer.lr == 0.001
     assert config.agents["b"].optimizer.lr == 1e-5
-    assert (config.schedule.kind, config.schedule.order, config.schedule.frozen) == ("alternate", ["a"], ["b"])
+    assert (config.schedule.kind, config.schedule.order, config.schedule.frozen) == ("round_robin", ["a"], ["b"])
     assert (config.train.steps, config.train.batch_size, config.ray.enabled) == (3, 2, True)
 
 

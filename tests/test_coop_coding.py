@@ -3,6 +3,7 @@ one tiny run through the Coordinator with Ray real."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import tempfile
@@ -14,6 +15,7 @@ from orchestrator.coordinator import Coordinator
 from protocols.config import load_config
 from protocols.env_checker import check_env
 from protocols.imports import import_object
+from tests.hosts import run_as, user_namespaces_work
 
 HERE = Path(__file__).resolve().parent.parent / "examples" / "coop_coding"
 CONFIG = HERE / "config.yaml"
@@ -166,6 +168,50 @@ _attack()
         listener.close()
     finally:
         shutil.rmtree(outside[1], ignore_errors=True)
+
+
+# Plays one episode on a host whose user (not root) cannot create user namespaces: refused, then allowed.
+_ON_A_WEAK_HOST = r'''
+import json, sys
+from orchestrator.sandbox import SandboxUnavailable
+from protocols.imports import import_object
+here, helper, main = json.loads(sys.stdin.read())
+env_cls = import_object(here + "/env.py:CoopCodingEnv")
+try:
+    env_cls()
+    print("made")
+except SandboxUnavailable as exc:
+    print("refused:", exc)
+env = env_cls(timeout_s=2.0, allow_weak_sandbox=True)
+env.reset(import_object(here + "/env.py:make_dataset")().to_list()[0])
+env.step({"helper": helper})
+print(env.step({"main": main}).reward)
+'''
+
+
+@pytest.mark.skipif(not user_namespaces_work(), reason="needs user namespaces to play a user who is not root")
+def test_a_weak_sandbox_is_refused_unless_the_environment_allows_it():
+    done = run_as(_ON_A_WEAK_HOST, uid=1000, no_namespaces=("user",), stdin=json.dumps([str(HERE), HELPER, MAIN]))
+    assert done.returncode == 0, done.stderr
+    refused, reward = done.stdout.splitlines()
+    assert refused.startswith("refused: sandbox: cannot contain model code: user namespaces are unavailable")
+    assert reward == "1.0"  # allowed: the tests ran and all passed
+    assert done.stderr.count("marsi: WARNING: sandbox: model code runs with WEAKER containment") == 1
+
+
+@pytest.mark.skipif(not user_namespaces_work(), reason="needs user namespaces to play a user who is not root")
+def test_a_weak_sandbox_stops_marsi_run_in_one_line(tmp_path):
+    overrides = [f"agents.{a}.{key}" for a in ("helper", "main") for key in (
+        "model=builtin:tiny", "generation.max_completion_length=8", "generation.max_prompt_length=256")]
+    overrides += ["ray.enabled=false", "train.steps=1", "train.batch_size=1", "train.num_generations=2",
+                  "train.progress=false"]
+    argv = ["run", str(CONFIG), *overrides, "--run-dir", str(tmp_path / "out")]
+    done = run_as(f"import sys\nfrom orchestrator.cli import main\nsys.exit(main({argv!r}))", uid=1000,
+                  no_namespaces=("user",))
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("marsi: error: sandbox: cannot contain model code: user namespaces are unavailable"), last
+    assert "Traceback" not in done.stderr
 
 
 def test_tiny_run_through_the_coordinator(ray_cluster, tmp_path):

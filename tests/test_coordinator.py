@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -116,12 +117,33 @@ def test_primitives_for_a_custom_loop():
     assert list(results) == ["b"] and after["a"] == before["a"] and after["b"] != before["b"]
 
 
-def test_placement_timeout_lists_asked_and_free_resources(ray_cluster):
+def test_a_request_larger_than_the_cluster_is_refused_at_once(ray_cluster):
     from agent_trainer.actor import PlacementError
 
     raw = config(ray=True)
     raw["agents"]["a"]["resources"] = {"num_cpus": 0.5, "num_gpus": 4}
-    raw["ray"]["placement_timeout_s"] = 1
-    with pytest.raises(PlacementError, match=r"asked for a: \{'CPU': 0.5, 'GPU': 4.0\}.*cluster has free .*'GPU': 2.0"):
+    start = time.monotonic()
+    with pytest.raises(PlacementError, match=r"agents ask for 4 GPUs in all \(a: 4, b: 0\) but the Ray cluster has 2; "
+                                             r"lower agents.NAME.resources.num_gpus"):
         with Coordinator(validate_config(raw)):
             pass
+    assert time.monotonic() - start < 30  # not after placement_timeout_s (60 s)
+
+
+def test_placement_timeout_lists_asked_and_free_resources(ray_cluster):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from agent_trainer.actor import PlacementError
+
+    held = placement_group([{"GPU": 2}])  # another job holds both GPUs: the request fits the cluster, not what is free
+    ray.get(held.ready())
+    try:
+        raw = config(ray=True)
+        raw["agents"]["a"]["resources"] = {"num_cpus": 0.5, "num_gpus": 1}
+        raw["ray"]["placement_timeout_s"] = 1
+        with pytest.raises(PlacementError, match=r"asked for a: \{'CPU': 0.5, 'GPU': 1.0\}.*cluster has free "):
+            with Coordinator(validate_config(raw)):
+                pass
+    finally:
+        remove_placement_group(held)

@@ -53,7 +53,7 @@ def test_self_improve_rewards_the_final_answer_and_shows_the_verdict():
     assert "It is 54." in first.prompts["solver"] and "incorrect" in first.prompts["solver"]
     last = env.step({"solver": "Sorry: 7 * 8 = 56"})  # the last integer counts
     assert last.reward == 1.0 and last.terminated and last.prompts == {}
-    assert env.episode_info() == {"first_correct": 0.0, "final_correct": 1.0, "changed": 1.0}
+    assert env.episode_info() == {"first_correct": 0.0, "final_correct": 1.0, "changed": 1.0, "success": 1.0}
 
     env = load("self_improve", "SelfImproveEnv")(show_verdict=False)
     env.reset({"question": "What is 2 + 3?", "answer": 5})
@@ -61,7 +61,7 @@ def test_self_improve_rewards_the_final_answer_and_shows_the_verdict():
     assert "verifier" not in revise and "correct" not in revise
     last = env.step({"solver": "no idea"})
     assert last.reward == 0.0 and last.infos["solver"]["invalid"] and last.infos["solver"]["reason"]
-    assert env.episode_info() == {"first_correct": 1.0, "final_correct": 0.0, "changed": 1.0}
+    assert env.episode_info() == {"first_correct": 1.0, "final_correct": 0.0, "changed": 1.0, "success": 0.0}
 
 
 # --------------------------------------------------------------------------------------- tictactoe
@@ -112,11 +112,13 @@ def test_tictactoe_random_opponent_plays_the_other_seat():
     info = env.episode_info()
     assert info["legal_move_rate"] == 1.0 and info["win"] + info["draw"] + info["loss"] == 1.0
     assert info["win"] == float(result.reward["O"] > 0) and info["loss"] == float(result.reward["O"] < 0)
+    assert info["success"] == info["win"]
 
     env = load("tictactoe", "TicTacToeEnv")(opponent="random", agent_seat="X")
     env.reset({"board": "........."}, seed=1)
     env.step({"X": "x marks the spot"})
-    assert env.episode_info() == {"legal_move_rate": 0.0, "moves": 1.0, "win": 0.0, "draw": 0.0, "loss": 1.0}
+    assert env.episode_info() == {"legal_move_rate": 0.0, "moves": 1.0, "win": 0.0, "draw": 0.0, "loss": 1.0,
+                                  "success": 0.0}
 
 
 # --------------------------------------------------------------------------------------------- rsi

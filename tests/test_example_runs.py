@@ -65,5 +65,7 @@ def test_example_config_runs_end_to_end(name, ray_cluster, tmp_path):
     for key in ["reward/mean", "invalid_rate", "time/step", *keys]:
         assert key in logged, f"{name}: {key} missing from {sorted(logged)}"
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, len(trained) + 1))
+    assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, len(trained) + 1))
+    evaluated = [0, len(trained)] if config.eval else []  # before the first step and after the last
+    assert [r["step"] for r in rows if "eval/reward/mean" in r] == evaluated
     assert (tmp_path / "checkpoints").is_dir()

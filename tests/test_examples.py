@@ -57,20 +57,42 @@ class _Endless(_Raises):
 
 
 @pytest.mark.parametrize("env, message", [
-    (_Raises(), "step raised ValueError"), (_NaN(), "not a finite number"), (_Endless(), "past max_turns"),
+    (_Raises(), "step raised ValueError"), (_NaN(), "reward nan is not finite"), (_Endless(), "past max_turns"),
 ])
 def test_check_env_catches_broken_environments(env, message):
     with pytest.raises(EnvCheckError, match=message):
         check_env(env, [{}])
 
 
-def test_custom_coordinator_script_runs(tmp_path):
+def test_custom_coordinator_script_runs_and_resumes_exactly(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(EXAMPLES / "custom_coordinator.py"), "2"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    lines = [line for line in out.stdout.splitlines() if line.startswith("step")]
-    assert [line.split()[5] for line in lines] == ["alice", "bob"]
-    assert (tmp_path / "runs" / "custom-coordinator" / "checkpoints" / "step-000002" / "agents" / "bob").is_dir()
+    def script(*args, cwd):
+        out = subprocess.run([sys.executable, str(EXAMPLES / "custom_coordinator.py"), *map(str, args)], cwd=cwd,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return [line for line in out.stdout.splitlines() if line.startswith(("step", "run dir"))]
+
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "cut").mkdir()
+    whole = script(3, cwd=tmp_path / "whole")
+    assert [line.split()[5] for line in whole[:3]] == ["alice", "bob", "alice"]
+    first = script(2, cwd=tmp_path / "cut")
+    [run_dir] = (tmp_path / "cut" / "runs").glob("custom-coordinator-*")  # a new directory per run
+    assert (run_dir / "checkpoints" / "step-000002" / "agents" / "bob").is_dir()
+    rest = script(3, run_dir, cwd=tmp_path / "cut")
+    assert first[:2] + rest[:1] == whole[:3]  # the same rewards and losses, step for step
+    assert rest[1].split("reward_ema:")[1] == whole[3].split("reward_ema:")[1]  # and the loop's own state
+
+
+@pytest.mark.parametrize("config_path", sorted(EXAMPLES.glob("*/config.yaml")) + [EXAMPLES / "rsi" / "verifier.yaml"],
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_example_evaluates_on_held_out_samples(config_path):
+    from orchestrator.data import load_samples
+    from orchestrator.evaluation import Evaluation
+
+    config = load_config(config_path)
+    assert config.eval is not None, "every example has an eval: section"
+    evaluation = Evaluation(config, load_samples(config.data))  # refuses an eval sample that is a training one
+    assert len(evaluation.samples) >= 4

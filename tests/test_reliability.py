@@ -2,33 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-import yaml
 
 from orchestrator.coordinator import Coordinator, RunFailed
 from orchestrator.runlog import RunLog, checkpoint_problem
 from protocols.config import validate_config
 from tests.envs import config
+from tests.runs import MARSI, rows, without_times, write
 
-MARSI = [sys.executable, "-m", "orchestrator.cli"]
 STEPS = 4
-
-
-def rows(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def without_times(metrics):
-    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
 
 
 def raw_config(**train):
@@ -42,12 +30,6 @@ def uninterrupted(tmp_path_factory):
     with Coordinator(validate_config(raw_config()), run_dir) as coord:
         coord.run()
     return without_times(rows(run_dir))
-
-
-def write(tmp_path, raw):
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 def test_killed_trainer_is_restarted_and_the_run_ends_as_if_uninterrupted(ray_cluster, tmp_path, uninterrupted):

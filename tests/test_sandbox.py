@@ -3,7 +3,16 @@ reason, within its time limit, leaving the test process alive and nothing runnin
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import json
 import os
+import random
+import re
+import shutil
+import socket as sockets
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -11,6 +20,7 @@ import pytest
 
 from orchestrator import sandbox
 from orchestrator.sandbox import SANDBOX_UIDS, SandboxResult, run_python, sandbox_available
+from tests.hosts import run_as, user_namespaces_work
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = sandbox._layers()
@@ -41,6 +51,7 @@ def test_layers_are_described():
     text = sandbox_available()
     assert "audit hook" in text and "rlimits" in text
     assert ("namespaces: network" in text) == bool(LAYERS.unshare)
+    assert text.endswith("containment: as documented") == (not LAYERS.missing)
 
 
 def test_correct_program_and_stdin():
@@ -121,7 +132,9 @@ def test_os_layers_hold_when_the_audit_hook_is_bypassed():
     # the hook resolves "escape" against the working directory, so a dir_fd write slips past it
     code = ("import os\nfd = os.open('/tmp', os.O_RDONLY)\n"
             "os.open('marsi_escape_test', os.O_WRONLY | os.O_CREAT, dir_fd=fd)")
-    assert_contained(run_python(code), "Permission denied", 10)
+    result = run_python(code)
+    assert_contained(result, "exit code 1: ", 10)
+    assert "Read-only file system" in result.reason or "Permission denied" in result.reason
     assert not Path("/tmp/marsi_escape_test").exists()
 
 
@@ -171,3 +184,242 @@ def test_starting_programs_and_ctypes_are_refused():
 def test_file_size_limit():
     result = run_python("open('big', 'wb').write(b'x' * (2 << 20))", max_file_mb=1)
     assert_contained(result, "file size limit", 10)
+
+
+def test_reimporting_posixsubprocess_is_refused():
+    # a fresh import of the module skips the sandbox's patched fork_exec; the hook names the attempt
+    code = "import sys\ndel sys.modules['_posixsubprocess']\nimport _posixsubprocess"
+    assert_contained(run_python(code), "forbidden: starting programs (import _posixsubprocess)", 10)
+
+
+# ------------------------------------------------------------------- the OS layers without the audit hook
+SECRET = "hunter2-marsi-secret"
+
+# Every attack of issue 14, with the audit hook left out: read the caller's environment and private files,
+# write outside the scratch directory (a world-writable directory, /dev), signal the caller and everyone,
+# connect to the caller's TCP port and abstract unix socket, start a program (subprocess: fork_exec) that
+# tries again from sh, leave SysV IPC objects and a POSIX message queue, and leave a setsid daemon running.
+HOSTILE = r'''
+import ctypes, json, os, signal, socket, subprocess, sys, time
+
+job = json.loads(sys.stdin.read())
+caller, key, name = job["caller"], job["key"], job["name"]
+outcomes, loot = {}, []
+
+def attempt(what, action):
+    try:
+        outcomes[what] = ("done: %r" % (action(),))[:200]
+    except BaseException as exc:
+        outcomes[what] = ("failed: %s: %s" % (type(exc).__name__, exc))[:200]
+
+def read(path):
+    with open(path, "rb") as f:
+        loot.append(f.read().decode("latin-1"))
+
+attempt("environ of the caller", lambda: read("/proc/%d/environ" % caller))
+attempt("environ of the parent", lambda: read("/proc/%d/environ" % os.getppid()))
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    attempt("environ of %s" % pid, lambda: read("/proc/%s/environ" % pid))
+for i, path in enumerate(job["secrets"]):
+    attempt("secret %d" % i, lambda: read(path))
+for i, where in enumerate(job["outside"]):
+    attempt("write %d" % i, lambda: open(os.path.join(where, name), "w").write("x"))
+    attempt("mkdir %d" % i, lambda: os.mkdir(os.path.join(where, name + "-dir")))
+attempt("signal the caller", lambda: os.kill(caller, signal.SIGKILL))
+attempt("signal everyone", lambda: os.kill(-1, signal.SIGKILL))
+attempt("tcp", lambda: socket.create_connection(("127.0.0.1", job["port"]), timeout=1))
+attempt("unix", lambda: socket.socket(socket.AF_UNIX).connect(job["abstract"]))
+shell = "cat /proc/%d/environ; kill -9 %d; " % (caller, caller) + "".join(
+    "echo x > %s/%s-sh; " % (where, name) for where in job["outside"])
+attempt("shell", lambda: loot.append(subprocess.run(["/bin/sh", "-c", shell], capture_output=True, text=True).stdout))
+
+libc, IPC_CREAT, size = ctypes.CDLL(None, use_errno=True), 0o1000, 64 << 20
+libc.shmat.restype = ctypes.c_void_p
+ipc = [libc.shmget(key + i, size, IPC_CREAT | 0o600) for i in range(3)]
+for shmid in ipc:  # touched: the pages are really held
+    address = libc.shmat(shmid, None, 0)
+    ctypes.memset(address, 1, size)
+    libc.shmdt(ctypes.c_void_p(address))
+ipc += [libc.msgget(key + 3, IPC_CREAT | 0o600), libc.semget(key + 4, 1, IPC_CREAT | 0o600)]
+ipc.append(ctypes.CDLL("librt.so.1").mq_open(("/" + name).encode(), os.O_CREAT | os.O_RDWR, 0o600, None))
+outcomes["ipc"] = ipc
+
+if os.fork() == 0:  # a daemon: its own session, still holding the output pipes
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(60)
+    os._exit(0)
+print(json.dumps({"outcomes": outcomes, "loot": loot, "scratch": os.getcwd()}))
+'''
+
+# The caller when it is not root: runs HOSTILE in the sandbox and reports how it ended.
+_HOSTILE_CALLER = r'''
+import dataclasses, json, os, sys
+from orchestrator.sandbox import _layers, run_python
+job = json.loads(sys.stdin.read())
+job["caller"] = os.getpid()
+result = run_python(job.pop("code"), stdin=json.dumps(job), audit_hook=False, timeout_s=10)
+print(json.dumps({"layers": repr(_layers()), **dataclasses.asdict(result)}))
+'''
+
+
+def ipc_keys() -> set[int]:
+    """The keys of the SysV IPC objects in this IPC namespace."""
+    keys = set()
+    for kind in ("shm", "msg", "sem"):
+        for line in Path(f"/proc/sysvipc/{kind}").read_text().splitlines()[1:]:
+            keys.add(int(line.split()[0]))
+    return keys
+
+
+def message_queue_exists(name: str) -> bool:
+    """Whether the POSIX message queue /`name` exists in this IPC namespace (if so, it is removed)."""
+    rt = ctypes.CDLL("librt.so.1", use_errno=True)
+    mqd = rt.mq_open(f"/{name}".encode(), os.O_RDONLY, 0, None)
+    if mqd >= 0:
+        rt.mq_close(mqd)
+        rt.mq_unlink(f"/{name}".encode())
+        return True
+    return False
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains `text`."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if text.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.fixture
+def hostile_job(tmp_path, monkeypatch):
+    """What HOSTILE attacks: yields (job, check) where check(result) asserts that nothing got through."""
+    monkeypatch.setenv("MARSI_SECRET", SECRET)  # in the caller's environment, which the program must not read
+    visible = Path(tempfile.mkdtemp(prefix=".sentinel-", dir=REPO))  # outside the hidden directories
+    visible.chmod(0o1777)  # world-writable: only the read-only mount stops the write
+    (visible / "private.txt").write_text(SECRET)
+    (visible / "private.txt").chmod(0o600)
+    (tmp_path / "private.txt").write_text(SECRET)
+    listener, abstract = sockets.socket(), sockets.socket(sockets.AF_UNIX)
+    listener.bind(("127.0.0.1", 0))
+    abstract_name = f"\0marsi-test-{os.getpid()}-{random.randrange(1 << 30)}"
+    abstract.bind(abstract_name)
+    for s in (listener, abstract):
+        s.listen()
+        s.setblocking(False)
+    key = random.randrange(0x6D000000, 0x6DFF0000)
+    name = f"marsi-escape-{key}"
+    job = {"caller": os.getpid(), "key": key, "name": name, "port": listener.getsockname()[1],
+           "abstract": abstract_name, "secrets": [str(visible / "private.txt"), str(tmp_path / "private.txt")],
+           "outside": [str(visible), "/dev"]}
+
+    def check(result: dict) -> None:
+        assert result["ok"] and result["seconds"] < 10, result
+        report = json.loads(result["stdout"])
+        outcomes = report["outcomes"]
+        assert SECRET not in result["stdout"] + result["stderr"], outcomes
+        for what, outcome in outcomes.items():
+            if what.startswith(("write", "mkdir", "signal", "tcp", "unix")):
+                assert outcome.startswith("failed"), (what, outcome)
+        assert all(i >= 0 for i in outcomes["ipc"]), outcomes["ipc"]  # the objects existed inside the run
+        assert not {key + i for i in range(5)} & ipc_keys() and not message_queue_exists(name)
+        assert processes_mentioning(report["scratch"]) == []  # the daemon did not outlive the run
+        for where in job["outside"]:
+            assert not [p for p in Path(where).iterdir() if p.name.startswith(name)]
+        for s in (listener, abstract):
+            with pytest.raises(BlockingIOError):
+                s.accept()
+
+    try:
+        yield job, check
+    finally:
+        listener.close()
+        abstract.close()
+        shutil.rmtree(visible, ignore_errors=True)
+        for leftover in Path("/dev").glob(f"{name}*"):
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+        for option, i in (("-M", 0), ("-M", 1), ("-M", 2), ("-Q", 3), ("-S", 4)):  # what a failed check left
+            if key + i in ipc_keys():
+                subprocess.run(["ipcrm", option, str(key + i)], check=False)
+        message_queue_exists(name)  # and unlinks it
+
+
+@pytest.mark.skipif(not OS_LAYERS, reason="needs the namespace and uid layers")
+def test_the_os_layers_hold_without_the_audit_hook_as_root(hostile_job):
+    job, check = hostile_job
+    result = run_python(HOSTILE, stdin=json.dumps(job), audit_hook=False, timeout_s=10)
+    check(dataclasses.asdict(result))
+
+
+@pytest.mark.skipif(not user_namespaces_work(), reason="needs user namespaces to play a user who is not root")
+def test_the_os_layers_hold_without_the_audit_hook_as_a_user(hostile_job):
+    job, check = hostile_job
+    job["secrets"] = job["secrets"][1:]  # a user's own files outside the hidden directories stay readable to it
+    done = run_as(_HOSTILE_CALLER, uid=1000, env={"MARSI_SECRET": SECRET}, stdin=json.dumps({**job, "code": HOSTILE}))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert "'--user', '--map-root-user'" in result["layers"] and "'--ipc'" in result["layers"]
+    check(result)
+
+
+# ------------------------------------------------------------------------------------------ fail closed
+DOC = REPO / "docs" / "errors.md"
+# The caller, with MARSI_SECRET=hunter2 in its environment, runs a program that reads the caller's environment
+# through /proc (the audit hook does not stop reading): refused, or, in weak mode, run, and the secret leaks.
+_CAN_RUN = r'''
+import os
+from orchestrator.sandbox import SandboxUnavailable, run_python
+from protocols.errors import UserError, one_line
+steal = "import os\nprint('leaked' if b'hunter2' in open('/proc/%d/environ' % os.getppid(), 'rb').read() else 'safe')"
+try:
+    result = run_python(steal)
+except SandboxUnavailable as exc:
+    assert isinstance(exc, UserError) and one_line(exc) == str(exc)
+    print("refused:", exc)
+else:
+    print(result.stdout.strip(), run_python(steal, allow_weak=True).stdout.strip())
+'''
+
+
+def documented(host: str) -> re.Pattern:
+    """The message that docs/errors.md gives for `host` in its sandbox table, as a pattern (<reason>: any text)."""
+    row = next(line for line in DOC.read_text().splitlines() if line.startswith(f"| {host} |"))
+    message = re.search("`([^`]+)`", row.split(" | ", 1)[1]).group(1)
+    return re.compile(re.escape(message).replace(re.escape("<reason>"), ".+?"))
+
+
+@pytest.mark.skipif(not user_namespaces_work(), reason="needs user namespaces to play a user who is not root")
+def test_a_user_without_user_namespaces_is_refused_in_one_line():
+    done = run_as(_CAN_RUN, uid=1000, no_namespaces=("user",), env={"MARSI_SECRET": "hunter2"})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout.startswith("refused: ") and done.stdout.count("\n") == 1, done.stdout
+    message = done.stdout.removeprefix("refused: ").strip()
+    assert documented("not root, no user namespaces").fullmatch(message), message
+    assert "user namespaces are unavailable (exit code 1: unshare: unshare failed: No space left on device)" in message
+
+
+@pytest.mark.skipif(not user_namespaces_work(), reason="needs user namespaces to play a root without them")
+def test_root_without_an_ipc_namespace_is_refused():
+    # root of a user namespace where no IPC namespace can be made, and where SANDBOX_UIDS are not mapped
+    done = run_as(_CAN_RUN, uid=0, no_namespaces=("ipc",), env={"MARSI_SECRET": "hunter2"})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    message = done.stdout.removeprefix("refused: ").strip()
+    assert documented("root, no namespaces, no uid layer").fullmatch(message), message
+    assert "namespaces are unavailable (exit code 1: unshare: unshare failed: No space left on device)" in message
+
+
+@pytest.mark.skipif(not user_namespaces_work(), reason="needs user namespaces to play a user who is not root")
+def test_weak_mode_is_explicit_and_warns_once():
+    env = {"MARSI_SECRET": "hunter2", "MARSI_SANDBOX_WEAK": "1"}
+    done = run_as(_CAN_RUN, uid=1000, no_namespaces=("user",), env=env)
+    assert done.returncode == 0 and done.stdout == "leaked leaked\n", done  # what the refusal prevents
+    warning = done.stderr.strip()
+    assert done.stderr.count("\n") == 1 and documented("weak mode").fullmatch(warning), warning
+    assert "it can use the network" in warning and "leave a setsid child running" in warning
+    for value in ("0", "true", ""):  # only MARSI_SANDBOX_WEAK=1 opts in
+        assert run_as(_CAN_RUN, uid=1000, no_namespaces=("user",),
+                      env={"MARSI_SANDBOX_WEAK": value}).stdout.startswith("refused: ")

@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup 
 from agent_trainer.losses import group_relative_advantages  # noqa: E402
 from agent_trainer.trainer import AgentTrainer  # noqa: E402
 from orchestrator.coordinator import Coordinator  # noqa: E402
-from protocols.config import AgentConfig, AlgorithmConfig, validate_config  # noqa: E402
+from protocols.config import AgentConfig, AlgorithmConfig, RolloutConfig, validate_config  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
 from tests.envs import config  # noqa: E402
 
@@ -69,6 +69,15 @@ def test_the_engine_returns_what_hf_generate_returns_with_behaviour_logps_of_the
     # the same request replays; another seed samples something else
     assert trainer.generate(request).completions == result.completions
     assert trainer.generate(request.model_copy(update={"seed": 2})).completions != result.completions
+
+
+def test_greedy_decoding_picks_the_tokens_marsis_loop_picks(trainer):
+    hf = AgentTrainer("hf", trainer.agent.model_copy(update={"rollout": RolloutConfig()}), AlgorithmConfig())
+    hf.model.load_state_dict(trainer.model.state_dict())
+    request = GenerateRequest(prompts=["Say a", "Say bb", "xyz", "Say dddd"], seed=0, temperature=0.0)
+    greedy = trainer.generate(request).completions
+    assert [c.completion_ids for c in greedy] == [c.completion_ids for c in hf.generate(request).completions]
+    assert all(c.per_token_logps == [0.0] * len(c.completion_ids) and c.temperature == 0.0 for c in greedy)
 
 
 def test_every_update_syncs_the_engine_even_when_the_embeddings_change(trainer):

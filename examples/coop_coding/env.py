@@ -19,7 +19,10 @@ first markdown fence of each answer when there is one. The shared reward, paid a
     +0.6 * pass  the fraction of the problem's test asserts that pass
 
 The tests run ONLY through `orchestrator.sandbox.run_python` (own uid, no network, read-only file system
-but a scratch directory, rlimits, `timeout_s` for the whole episode). The HumanEval `check(candidate)` is
+but a scratch directory, rlimits, `timeout_s` for the whole episode). Where the host cannot give the
+sandbox's documented containment, making the environment raises SandboxUnavailable (the run stops
+before its first episode) unless `allow_weak_sandbox=True` or MARSI_SANDBOX_WEAK=1 says to run the code
+with weaker containment (then the sandbox warns once on stderr). The HumanEval `check(candidate)` is
 rewritten with `ast` so that every assert is counted on its own (an exception inside an assert is a
 failure; an exception outside one ends `check` and counts as one more failure); constant asserts
 (`assert True`) are dropped. pass = passed / max(asserts run, asserts written). A run that times out,
@@ -49,7 +52,7 @@ from typing import Any
 
 import datasets
 
-from orchestrator.sandbox import run_python
+from orchestrator.sandbox import ensure_contained, run_python
 from protocols.env import Environment, StepResult
 
 HELPER_NAME = "aux"
@@ -218,8 +221,10 @@ class CoopCodingEnv(Environment):
     possible_agents = ["helper", "main"]
     max_turns = 2
 
-    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512):
+    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, allow_weak_sandbox: bool = False):
         self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
+        self.allow_weak_sandbox = bool(allow_weak_sandbox)
+        ensure_contained(allow_weak=self.allow_weak_sandbox)  # fail before any episode, not inside step()
 
     # -------------------------------------------------------------------------------- prompts
     def reset(self, sample, seed=None):
@@ -323,7 +328,8 @@ class CoopCodingEnv(Environment):
         test, written = counted_test(self.sample["test"])
         token = secrets.token_hex(16)
         job = json.dumps({"code": program, "test": test, "entry_point": self.entry_point})
-        result = run_python(_HARNESS, stdin=f"{token}\n{job}", timeout_s=self.timeout_s, memory_mb=self.memory_mb)
+        result = run_python(_HARNESS, stdin=f"{token}\n{job}", timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                            allow_weak=self.allow_weak_sandbox)
         lines = [line[len(token):] for line in result.stdout.splitlines() if line.startswith(token)]
         if not lines:
             if result.reason:

@@ -24,6 +24,7 @@ solve), `parsed` (the problem was an expression), and with the verifier `verifie
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 
@@ -191,11 +192,23 @@ class RSIEnv(Environment):
         return StepResult(prompts=prompts, reward=self.share * self.valid, infos=infos)
 
 
-def make_dataset(n: int = 128, seed: int = 0, low: int = 2, high: int = 20) -> datasets.Dataset:
-    """`n` samples: the number the problem must use, and two small numbers for the prompt's examples."""
+def make_dataset(n: int = 128, seed: int = 0, low: int = 2, high: int = 20, split: str = "train") -> datasets.Dataset:
+    """`n` samples: the number the problem must use, and two small numbers for the prompt's examples. `split`: "train" or "eval", a fixed partition of the
+    possible samples (about one in five is held out for evaluation), so no evaluation sample is a training one."""
     rng = random.Random(seed)
-    return datasets.Dataset.from_list([{"number": rng.randint(low, high), "a": rng.randint(2, 9), "b": rng.randint(2, 5)}
-                                       for _ in range(n)])
+    rows = []
+    while len(rows) < n:
+        row = {"number": rng.randint(low, high), "a": rng.randint(2, 9), "b": rng.randint(2, 5)}
+        if in_split(f"{row['number']}/{row['a']}/{row['b']}", split):
+            rows.append(row)
+    return datasets.Dataset.from_list(rows)
+
+
+def in_split(key: str, split: str) -> bool:
+    """Whether a sample keyed `key` belongs to `split`: a fixed hash partition, one in five held out for "eval"."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    return (int(hashlib.sha256(key.encode()).hexdigest(), 16) % 5 == 0) == (split == "eval")
 
 
 def sample_action(role: str, prompt, rng: random.Random) -> str:

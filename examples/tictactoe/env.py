@@ -19,6 +19,7 @@ opponent `win`, `draw`, `loss` from the agent's side.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 
@@ -103,7 +104,8 @@ class TicTacToeEnv(Environment):
         info = {"legal_move_rate": self.legal / max(1, self.moves), "moves": float(self.moves)}
         if self.opponent:
             mine = (self.result or {}).get(self.seat, 0.0)
-            info.update(win=float(mine > 0), draw=float(self.result is not None and mine == 0), loss=float(mine < 0))
+            info.update(win=float(mine > 0), draw=float(self.result is not None and mine == 0), loss=float(mine < 0),
+                        success=float(mine > 0))
         return info
 
     # --------------------------------------------------------------------------------- helpers
@@ -130,19 +132,32 @@ class TicTacToeEnv(Environment):
                 f"Empty cells: {cells}.\nReply with just the number of the empty cell you play.")
 
 
-def make_dataset(n: int = 64, max_opening_moves: int = 2, seed: int = 0) -> datasets.Dataset:
-    """`n` openings: boards with 0..max_opening_moves random moves played (X first), drawn with a fixed seed."""
+def make_dataset(n: int = 64, max_opening_moves: int = 2, seed: int = 0, split: str = "train") -> datasets.Dataset:
+    """`n` openings: boards with 0..max_opening_moves random moves played (X first), drawn with a fixed seed. `split`: "train" or "eval", a fixed partition of the
+    possible openings (about one in five is held out for evaluation), so no evaluation sample is a training one.
+    The empty board is a training opening."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(n):
+    for _ in range(1000 * n):
+        if len(rows) == n:
+            break
         board = ["."] * 9
         for k in range(rng.randint(0, max_opening_moves)):
             board[rng.choice([i for i in range(9) if board[i] == "."])] = "XO"[k % 2]
             if winner(board):  # keep openings undecided (only possible with max_opening_moves >= 5)
                 board = ["."] * 9
                 break
-        rows.append({"board": "".join(board)})
+        key = "".join(board)
+        if in_split(key, split) and (split == "train" or "X" in key):
+            rows.append({"board": key})
     return datasets.Dataset.from_list(rows)
+
+
+def in_split(key: str, split: str) -> bool:
+    """Whether a sample keyed `key` belongs to `split`: a fixed hash partition, one in five held out for "eval"."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    return (int(hashlib.sha256(key.encode()).hexdigest(), 16) % 5 == 0) == (split == "eval")
 
 
 def sample_action(role: str, prompt, rng: random.Random) -> str:

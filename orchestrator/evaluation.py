@@ -1,0 +1,167 @@
+"""Held-out evaluation: who plays at which weights, metrics with standard errors, pass@k, and paired
+comparisons of two evaluations.
+
+An evaluation plays `eval.episodes_per_sample` episodes from each held-out sample with the evaluation
+environment kwargs and temperature (0: greedy), under the run's role rotation, once as trained and once
+per partner setting: `eval.partners: {label: {agent: initial | scripted | DIR}}` seats that agent at its
+initial weights, as the environment's scripted player, or with the weights in DIR (extra frozen
+trainers named `agent@label`). Its seeds are the same at every evaluation, so two evaluations of one
+run differ only by the weights (common random numbers), and it touches no training state: no data
+position, episode count, baseline or trainer RNG.
+
+Metrics, under `eval/` (`eval/LABEL/` for a partner setting): `reward/mean` (the shared reward; in
+per-role games the mean over roles) and `reward/ROLE`, `episode/KEY` for every `episode_info` entry,
+each with a `.../stderr` (standard error of the mean over episodes), `episodes`, and where episodes
+report `success`, `pass@k` for the k asked (the unbiased estimator 1 - C(n-c, k) / C(n, k) per sample,
+averaged, with its standard error over samples).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator import rollout
+from orchestrator.data import load_samples
+from protocols.config import AgentConfig, ConfigError, RunConfig
+
+PARTNER = "@"  # a partner trainer is named AGENT@LABEL
+
+
+def partner_agents(config: RunConfig) -> dict[str, AgentConfig]:
+    """The extra frozen trainers `eval.partners` needs: `agent@label` -> its AgentConfig."""
+    out = {}
+    for label, held in (config.eval.partners if config.eval else {}).items():
+        for agent, weights in held.items():
+            if weights != "scripted":
+                model = config.agents[agent].model if weights == "initial" else _model_dir(weights)
+                out[f"{agent}{PARTNER}{label}"] = config.agents[agent].model_copy(
+                    update={"model": model, "resources": config.eval.partner_resources})
+    return out
+
+
+def _model_dir(path: str) -> str:
+    """A checkpoint's agent directory holds its weights under `model/`; a model directory is itself."""
+    from pathlib import Path
+
+    return str(Path(path) / "model") if (Path(path) / "model" / "config.json").exists() else path
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, float]
+    """Flat `eval/...` metrics of every setting."""
+    rewards: dict[str, list[float]]
+    """Per setting label ("" as trained), each episode's shared reward, in a fixed order (for comparisons)."""
+
+
+class Evaluation:
+    """The held-out set and the settings of one run's evaluations."""
+
+    def __init__(self, config: RunConfig, training_samples: list[dict[str, Any]]):
+        self.config, self.eval = config, config.eval
+        samples = load_samples(self.eval.data, key="eval.data")
+        self.samples = samples[:self.eval.max_samples] if self.eval.max_samples else samples
+        seen = {_row_key(row) for row in training_samples}
+        overlap = [row for row in self.samples if _row_key(row) in seen]
+        if overlap:
+            raise ConfigError(f"eval.data: {len(overlap)} of its {len(self.samples)} samples are training samples too "
+                              f"(first: {json.dumps(overlap[0], default=str)[:120]}); hold them out of data")
+        self.make_env = rollout.env_factory(config.environment.name,
+                                            {**config.environment.kwargs, **self.eval.environment_kwargs})
+        self.seed = config.train.seed if self.eval.seed is None else self.eval.seed
+
+    def due(self, step: int) -> bool:
+        """Before the first step, after the last, and every `eval.every` steps."""
+        every = self.eval.every
+        return step == 0 or step == self.config.train.steps or bool(every and step % every == 0)
+
+    def run(self, generate, assignment) -> EvalResult:
+        """Play every setting; `generate(prompts, seed, temperature)` is the coordinator's."""
+        metrics, rewards = {}, {}
+        settings = {"": {}, **self.eval.partners}
+        for label, held in settings.items():
+            seats = _seated(assignment, held, label)
+            episodes = rollout.play(self.make_env, self.samples, self.eval.episodes_per_sample, seats,
+                                    lambda prompts, seed: generate(prompts, seed, self.eval.temperature),
+                                    seed=rollout.derive_seed(self.seed, "eval", label), first_episode=0)
+            prefix = f"eval/{label}/" if label else "eval/"
+            metrics.update({prefix + k: v for k, v in summarise(episodes, self.eval.pass_k).items()})
+            rewards[label] = [shared_reward(e) for e in episodes]
+        return EvalResult(metrics, rewards)
+
+
+def _seated(assignment, held: dict[str, str], label: str):
+    """The run's seating with the held agents swapped for their partner trainer or the scripted player."""
+    swap = {agent: rollout.SCRIPTED if weights == "scripted" else f"{agent}{PARTNER}{label}"
+            for agent, weights in held.items()}
+
+    def seats(episode: int, turn: int) -> dict[str, str]:
+        return {role: swap.get(agent, agent) for role, agent in assignment(episode, turn).items()}
+
+    return seats
+
+
+def _row_key(row: dict[str, Any]) -> str:
+    return json.dumps(row, sort_keys=True, default=str)
+
+
+def shared_reward(episode: rollout.Episode) -> float:
+    total = episode.total_reward()
+    return statistics.fmean(total.values()) if isinstance(total, dict) else total
+
+
+def summarise(episodes: list[rollout.Episode], pass_k: list[int]) -> dict[str, float]:
+    """Means with standard errors of the shared reward, per-role rewards and episode_info entries; pass@k."""
+    out = {"episodes": float(len(episodes))}
+    series = {"reward/mean": [shared_reward(e) for e in episodes]}
+    for role in sorted({r for e in episodes if isinstance(e.total_reward(), dict) for r in e.total_reward()}):
+        series[f"reward/{role}"] = [e.total_reward()[role] for e in episodes]
+    for key in sorted({k for e in episodes for k in e.info}):
+        series[f"episode/{key}"] = [float(e.info[key]) for e in episodes if key in e.info]
+    for name, values in series.items():
+        out[name], out[f"{name}/stderr"] = statistics.fmean(values), stderr(values)
+    if pass_k and any("success" in e.info for e in episodes):
+        per_sample: dict[int, list[float]] = {}
+        for e in episodes:
+            per_sample.setdefault(e.sample_index, []).append(float(e.info.get("success", 0.0)))
+        for k in pass_k:
+            values = [pass_at_k(len(s), int(round(sum(s))), k) for s in per_sample.values()]
+            out[f"pass@{k}"], out[f"pass@{k}/stderr"] = statistics.fmean(values), stderr(values)
+    return out
+
+
+def stderr(values: list[float]) -> float:
+    """Standard error of the mean (sample standard deviation / sqrt(n)); 0 for fewer than two values."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one sample with n attempts, c of them successes (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+# two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; the normal's 1.96 beyond
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def compare(before: list[float], after: list[float]) -> dict[str, float | bool]:
+    """Paired difference of two evaluations of the same episodes (same samples and seeds): mean of
+    after - before, its 95% confidence interval (Student's t), and whether the interval excludes 0."""
+    if len(before) != len(after) or not before:
+        raise ValueError(f"compare needs the same episodes on both sides, got {len(before)} and {len(after)}")
+    diffs = [b - a for a, b in zip(before, after)]
+    mean, se = statistics.fmean(diffs), stderr(diffs)
+    if len(diffs) < 2:  # one pair says nothing about noise
+        low, high = -math.inf, math.inf
+    else:
+        t = _T95[len(diffs) - 2] if len(diffs) <= 31 else 1.96
+        low, high = mean - t * se, mean + t * se
+    return {"before": statistics.fmean(before), "after": statistics.fmean(after), "difference": mean,
+            "low": low, "high": high, "episodes": len(diffs), "distinguishable": low > 0 or high < 0}

@@ -1,0 +1,33 @@
+"""Running `marsi` in a subprocess and reading what a run wrote: shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+MARSI = [sys.executable, "-m", "orchestrator.cli"]
+
+
+def marsi(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([*MARSI, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def write(tmp_path: Path, raw: dict, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def rows(run_dir) -> list[dict]:
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_times(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]

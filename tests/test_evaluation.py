@@ -1,0 +1,156 @@
+"""Held-out evaluation: when it runs, what it reports, that it never disturbs training, and `marsi eval`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from orchestrator import rollout
+from orchestrator.coordinator import Coordinator
+from orchestrator.evaluation import compare, pass_at_k, summarise
+from protocols.config import ConfigError, validate_config
+from protocols.env import Environment
+from tests.envs import HERE, config
+from tests.runs import MARSI, marsi, rows, without_times, write
+
+HELD_OUT = {"factory": f"{HERE / 'envs.py'}:held_out"}
+
+
+def with_eval(raw, **settings):
+    raw["eval"] = {"data": dict(HELD_OUT), "temperature": 1.0, **settings}
+    return raw
+
+
+def eval_rows(run_dir):
+    return [r for r in rows(run_dir) if "eval/reward/mean" in r]
+
+
+def training_rows(run_dir):
+    return [r for r in rows(run_dir) if "reward/mean" in r]
+
+
+# ------------------------------------------------------------------------------------------------ maths
+def test_pass_at_k_by_hand():
+    assert pass_at_k(5, 2, 1) == pytest.approx(2 / 5)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert pass_at_k(4, 0, 3) == 0.0 and pass_at_k(4, 2, 3) == 1.0  # fewer failures than k: always solved
+
+
+def test_summary_means_standard_errors_and_pass_at_k():
+    class Stub(Environment):
+        possible_agents, max_turns = ["x"], 1
+
+        def reset(self, sample, seed=None):
+            return {}
+
+        def step(self, actions):
+            return None
+
+    def episode(sample, reward, success):
+        e = rollout.Episode(index=0, sample_index=sample, env=Stub())
+        e.turns, e.info = [rollout.Turn([], reward, {})], {"success": success}
+        return e
+
+    # sample 0: 1 of 3 solved; sample 1: 3 of 3
+    episodes = [episode(0, 1.0, 1.0), episode(0, 0.0, 0.0), episode(0, 0.0, 0.0)] + [episode(1, 1.0, 1.0)] * 3
+    out = summarise(episodes, [1, 2])
+    assert out["episodes"] == 6 and out["reward/mean"] == pytest.approx(4 / 6)
+    assert out["reward/mean/stderr"] == pytest.approx((4 / 6 * 2 / 6 * 6 / 5) ** 0.5 / 6 ** 0.5)
+    assert out["pass@1"] == pytest.approx((1 / 3 + 1) / 2)
+    assert out["pass@2"] == pytest.approx((1 - 1 / 3 + 1) / 2)  # sample 0: 1 - C(2,2)/C(3,2)
+
+
+def test_paired_comparison_by_hand():
+    c = compare([0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0])
+    assert c["difference"] == pytest.approx(0.75) and c["episodes"] == 4
+    se = (0.25 * 0.75 * 4 / 3) ** 0.5 / 2  # sample std of the differences / sqrt(4)
+    assert (c["low"], c["high"]) == pytest.approx((0.75 - 3.182 * se, 0.75 + 3.182 * se))
+    assert not c["distinguishable"]  # the interval reaches below 0 with four episodes
+    assert compare([0.0] * 10, [1.0] * 10)["distinguishable"]
+
+
+# ------------------------------------------------------------------------------------------ in a run
+def test_evaluations_run_at_the_configured_steps_with_the_right_counts(tmp_path):
+    raw = with_eval(config(train={"steps": 4}), every=2, episodes_per_sample=3, max_samples=3,
+                    partners={"b_scripted": {"b": "scripted"}})
+    with Coordinator(validate_config(raw), tmp_path) as coord:
+        coord.run()
+    found = eval_rows(tmp_path)
+    assert [r["step"] for r in found] == [0, 2, 4]
+    for r in found:
+        assert r["eval/episodes"] == 9 and r["eval/b_scripted/episodes"] == 9  # 3 samples x 3 episodes
+        assert r["eval/b_scripted/episode/hits"] >= 1.0  # the scripted player always says the letter
+        assert r["eval/reward/mean/stderr"] >= 0.0 and "eval/episode/success" in r
+
+
+def test_evaluation_leaves_training_exactly_as_it_was(tmp_path):
+    raw = config(train={"steps": 3})
+    with Coordinator(validate_config(raw), tmp_path / "off") as coord:
+        coord.run()
+    with Coordinator(validate_config(with_eval(config(train={"steps": 3}), every=1)), tmp_path / "on") as coord:
+        coord.run()
+    assert without_times(training_rows(tmp_path / "on")) == without_times(training_rows(tmp_path / "off"))
+    assert len(eval_rows(tmp_path / "on")) == 4
+
+
+def test_partners_held_at_initial_weights_really_are(tmp_path):
+    raw = with_eval(config(train={"steps": 2}), partners={"a_initial": {"a": "initial"}})
+    for agent in raw["agents"].values():
+        agent["optimizer"]["weight_decay"] = 0.1  # every update moves the weights
+    with Coordinator(validate_config(raw), tmp_path) as coord:
+        initial = coord.parameters_digests(["a"])["a"]
+        coord.run()
+        digests = coord.parameters_digests(["a", "a@a_initial"])
+    assert digests["a"] != initial and digests["a@a_initial"] == initial
+
+
+def test_a_kill_during_evaluation_resumes_to_the_same_records(tmp_path):
+    def raw():
+        return with_eval(config(train={"steps": 3, "checkpoint_every": 1}), every=1, environment_kwargs={"delay": 0.5})
+
+    with Coordinator(validate_config(raw()), tmp_path / "whole") as coord:
+        coord.run()
+    run_dir = tmp_path / "cut"
+    proc = subprocess.Popen([*MARSI, "run", str(write(tmp_path, raw())), "--run-dir", str(run_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (run_dir / "metrics.jsonl").exists() or not training_rows(run_dir):
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.05)
+    time.sleep(0.7)  # the step-1 evaluation (4 resets of 0.5 s) is under way
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert [r["step"] for r in eval_rows(run_dir)] == [0]  # killed before step 1's evaluation was logged
+    out = marsi("resume", run_dir)
+    assert out.returncode == 0, out.stderr
+    assert without_times(rows(run_dir)) == without_times(rows(tmp_path / "whole"))
+
+
+# --------------------------------------------------------------------------------------- marsi eval
+def test_marsi_eval_on_a_finished_run_and_on_a_config(tmp_path):
+    raw = with_eval(config(train={"steps": 2}), episodes_per_sample=2)
+    assert marsi("run", write(tmp_path, raw), "--run-dir", tmp_path / "run").returncode == 0
+    out = marsi("eval", tmp_path / "run", "--compare", "initial", "last")
+    assert out.returncode == 0, out.stderr
+    assert "reward/mean last - initial: " in out.stdout and "95% CI" in out.stdout and "8 paired episodes" in out.stdout
+    written = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [w["checkpoint"] for w in written] == ["initial", "last"] and len(written[0]["rewards"][""]) == 8
+    out = marsi("eval", write(tmp_path, raw, "alone.yaml"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1].split()[:2] == ["initial", "8"]
+
+
+def test_bad_eval_settings_get_one_line(tmp_path):
+    overlapping = with_eval(config())
+    overlapping["eval"]["data"] = {"factory": f"{HERE / 'envs.py'}:letters"}
+    with pytest.raises(ConfigError, match=r"eval.data: 8 of its 8 samples are training samples too .*hold them out"):
+        Coordinator(validate_config(overlapping))
+    out = marsi("run", write(tmp_path, with_eval(config(), every_steps=2)))
+    assert out.returncode == 2 and "eval.every_steps: unknown key; allowed keys here: data, every" in out.stderr
+    out = marsi("run", write(tmp_path, with_eval(config(), pass_k=[4])))
+    assert out.returncode == 2 and "eval.pass_k: k=4 needs 1 <= k <= eval.episodes_per_sample (1)" in out.stderr
+    out = marsi("run", write(tmp_path, with_eval(config(), partners={"x": {"zed": "initial"}})))
+    assert out.returncode == 2 and "eval.partners.x: agent 'zed' is not defined" in out.stderr
