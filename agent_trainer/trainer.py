@@ -18,6 +18,14 @@ Choices a reviewer should know (they follow trl, verl and SPIRAL unless said oth
   the schedule of the total this trainer was built with at the restored update count, so extending a
   run (a larger `train.steps`) continues on the curve for the new total from where the run stands.
 - `grad_norm` is the mean of the passes' pre-clipping norms.
+- Generation is the rollout engine's (`agent_trainer.engines`: `hf`, the decode loop on this model; `vllm`,
+  a colocated vLLM engine with its own copy of the weights). The engine sleeps during an update and is
+  synced with the new weights right after it (`sync_seconds`), and after `load`.
+- Truncated importance sampling (`agent.rollout.tis_cap`, on by default with the vllm engine): the engine's
+  behaviour log-probs mu differ from the learner's pi_old for the same weights (kernels, precision). Each
+  token's policy-gradient term is multiplied by w = min(exp(log pi_old - log mu), tis_cap), detached, where
+  pi_old is this update's first-pass log-prob; the PPO ratio of later passes is then taken against pi_old,
+  not mu. `logp_mismatch` / `logp_gap_max` are the mean / largest |log pi_old - log mu| over tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from agent_trainer import losses, sampling
-from agent_trainer.models import DTYPES, context_problem, load_model, source_fingerprint
+from agent_trainer.engines import left_pad, make_engine, model_logps
+from agent_trainer.models import DTYPES, context_problem, load_model, resolve_model_path, source_fingerprint
 from protocols.config import AgentConfig, AlgorithmConfig
 from protocols.messages import (
     CheckpointInfo, Completion, Experience, GenerateRequest, GenerateResult, Prompt, UpdateRequest, UpdateResult,
@@ -74,6 +83,11 @@ class AgentTrainer:
         if problem:
             raise ValueError(problem)
         self.stop_ids = sampling.stop_token_ids(self.tokenizer, self.model)
+        model_path = resolve_model_path(agent.model)
+        self.engine = make_engine(agent, self.model, model_path=model_path,
+                                  tokenizer_path=resolve_model_path(agent.tokenizer) if agent.tokenizer else model_path,
+                                  stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id, device=self.device,
+                                  seed=seed, autocast=self._autocast)
         self.ref_model = self.optimizer = None
         if trainable:
             if algorithm.beta > 0:
@@ -93,22 +107,15 @@ class AgentTrainer:
         gen = self.agent.generation
         temperature = gen.temperature if request.temperature is None else request.temperature
         prompts = [self.encode_prompt(p) for p in request.prompts]
-        prompt_ids, prompt_mask = _left_pad([ids for ids, _ in prompts], self.tokenizer.pad_token_id, self.device)
-        generator = torch.Generator(self.device).manual_seed(request.seed)
-        with torch.inference_mode(), self._autocast():
-            completion_ids, lengths, per_token_logps = sampling.sample(
-                self.model, prompt_ids, prompt_mask, temperature=temperature, top_k=gen.top_k, top_p=gen.top_p,
-                max_new_tokens=request.max_completion_length or gen.max_completion_length,
-                stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id, generator=generator)
-        completion_ids, lengths, per_token_logps = completion_ids.tolist(), lengths.tolist(), per_token_logps.tolist()
+        rollouts = self.engine.generate([ids for ids, _ in prompts], temperature=temperature, seed=request.seed,
+                                        max_new_tokens=request.max_completion_length or gen.max_completion_length)
         completions = []
-        for i, (ids, truncated) in enumerate(prompts):
-            row = completion_ids[i][:lengths[i]]
-            stopped = row[-1] in self.stop_ids
+        for (ids, truncated), rollout in zip(prompts, rollouts):
+            row, stopped = rollout.completion_ids, rollout.finish_reason == "stop"
             completions.append(Completion(
                 text=self.tokenizer.decode(row[:-1] if stopped else row, skip_special_tokens=True),
-                prompt_ids=ids, completion_ids=row, per_token_logps=per_token_logps[i][:lengths[i]],
-                finish_reason="stop" if stopped else "length", prompt_truncated=truncated, temperature=temperature,
+                prompt_ids=ids, completion_ids=row, per_token_logps=rollout.per_token_logps,
+                finish_reason=rollout.finish_reason, prompt_truncated=truncated, temperature=temperature,
             ))
         return GenerateResult(agent=self.name, completions=completions, seconds=time.perf_counter() - start)
 
@@ -147,6 +154,7 @@ class AgentTrainer:
 
     # -------------------------------------------------------------------------------------- update
     def update(self, request: UpdateRequest) -> UpdateResult:
+        """Train on scored completions, then put the new weights into the rollout engine."""
         start = time.perf_counter()
         if not self.trainable:
             raise ValueError(f"agent {self.name!r} is frozen (schedule.frozen): it has no optimizer and never updates")
@@ -154,15 +162,29 @@ class AgentTrainer:
         if not experiences:
             raise ValueError(f"agent {self.name!r}: update needs at least one experience with completion tokens")
         check_experiences(self.name, experiences)
-        alg, mb = self.algorithm, self.agent.micro_batch_size
-        if alg.num_iterations > 1 and any(e.old_per_token_logps is None for e in experiences):
+        if self.algorithm.num_iterations > 1 and any(e.old_per_token_logps is None for e in experiences):
             raise ValueError(f"agent {self.name!r}: num_iterations > 1 needs old_per_token_logps in every experience")
+        self.engine.sleep()  # an engine sharing the GPU frees its memory for the update
+        try:
+            result = self._learn(experiences)
+        finally:
+            sync_start = time.perf_counter()
+            self.engine.sync(self.model)  # the next generate samples from the new weights
+            sync_seconds = time.perf_counter() - sync_start
+        return result.model_copy(update={"seconds": time.perf_counter() - start, "sync_seconds": sync_seconds})
+
+    def _learn(self, experiences: list[Experience]) -> UpdateResult:
+        """The optimizer steps of one update: `num_iterations` passes over the experiences in micro-batches."""
+        alg, mb = self.algorithm, self.agent.micro_batch_size
         total_tokens = float(sum(len(e.completion_ids) for e in experiences))
         total_sequences = float(len(experiences))
         lr = self.agent.optimizer.lr * self._lr_factor(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        stats = dict.fromkeys(("loss", "kl", "entropy", "clipped", "mismatch", "mismatch_tokens"), 0.0)
+        tis_cap = self.agent.rollout.tis_cap
+        stats = dict.fromkeys(("loss", "kl", "entropy", "clipped", "mismatch", "mismatch_tokens", "gap_max",
+                               "tis_weight", "tis_truncated", "tis_tokens"), 0.0)
+        first_logps: dict[int, torch.Tensor] = {}  # TIS: the learner's log-probs before the update, per micro-batch
         grad_norms, skipped = [], 0
         for iteration in range(alg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
@@ -170,16 +192,29 @@ class AgentTrainer:
             for i in range(0, len(experiences), mb):
                 batch = _collate(experiences[i:i + mb], self.tokenizer.pad_token_id, self.agent.generation.temperature,
                                  self.device)
-                prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, old, temperatures = batch
+                prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, behaviour, temperatures = batch
                 logits = self._sampling_logits(self.model, batch)  # (B, T, V)
                 per_token_logps = losses.selective_log_softmax(logits, completion_ids)  # (B, T)
-                if iteration == 0 and old is not None:
-                    gap = (per_token_logps.detach() - old).abs() * completion_mask
+                if iteration == 0 and behaviour is not None:
+                    gap = (per_token_logps.detach() - behaviour).abs() * completion_mask  # (B, T)
                     stats["mismatch"] += float(gap.sum())
                     stats["mismatch_tokens"] += float(completion_mask.sum())
-                if alg.num_iterations == 1 or old is None:
+                    stats["gap_max"] = max(stats["gap_max"], float(gap.max()))
+                weights = None
+                if tis_cap is not None and behaviour is not None:
+                    old = first_logps.setdefault(i, per_token_logps.detach())  # (B, T) pi_old, the PPO denominator
+                    weights = losses.truncated_importance_weights(old, behaviour, tis_cap)  # (B, T)
+                    if iteration == 0:
+                        stats["tis_weight"] += float((weights * completion_mask).sum())
+                        stats["tis_truncated"] += float(((weights >= tis_cap) * completion_mask).sum())
+                        stats["tis_tokens"] += float(completion_mask.sum())
+                elif alg.num_iterations == 1 or behaviour is None:
                     old = per_token_logps.detach()
+                else:
+                    old = behaviour
                 per_token_loss, clipped = losses.clipped_policy_loss(per_token_logps, old, advantages, alg.epsilon)
+                if weights is not None:
+                    per_token_loss = per_token_loss * weights
                 if self.ref_model is not None:
                     with torch.no_grad():
                         ref = losses.selective_log_softmax(self._sampling_logits(self.ref_model, batch), completion_ids)
@@ -211,12 +246,16 @@ class AgentTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         n = alg.num_iterations
+        tis_tokens = stats["tis_tokens"]
         return UpdateResult(
             agent=self.name, step=self.step, loss=stats["loss"] / n, grad_norm=sum(grad_norms) / n,
             kl=stats["kl"] / (n * total_tokens), entropy=stats["entropy"] / (n * total_tokens),
             clip_fraction=stats["clipped"] / (n * total_tokens), lr=lr, num_tokens=int(total_tokens),
-            num_sequences=len(experiences), seconds=time.perf_counter() - start, skipped_steps=skipped,
+            num_sequences=len(experiences), seconds=0.0, skipped_steps=skipped,
             logp_mismatch=stats["mismatch"] / stats["mismatch_tokens"] if stats["mismatch_tokens"] else None,
+            logp_gap_max=stats["gap_max"] if stats["mismatch_tokens"] else None,
+            tis_weight=stats["tis_weight"] / tis_tokens if tis_tokens else None,
+            tis_truncated=stats["tis_truncated"] / tis_tokens if tis_tokens else None,
         )
 
     def per_token_logps(self, experiences: list[Experience]) -> list[list[float]]:
@@ -225,6 +264,20 @@ class AgentTrainer:
         with torch.no_grad():
             logps = losses.selective_log_softmax(self._sampling_logits(self.model, batch), batch[2])
         return [logps[i, :len(e.completion_ids)].tolist() for i, e in enumerate(experiences)]
+
+    def score(self, experiences: list[Experience], *, engine: bool = False) -> list[list[float]]:
+        """Log-probs of each experience's completion tokens under the full softmax at temperature 1, by the
+        learner's model or (`engine=True`) by the rollout engine: equal up to numerics when the engine holds the
+        learner's weights."""
+        prompts, completions = [e.prompt_ids for e in experiences], [e.completion_ids for e in experiences]
+        if engine:
+            return self.engine.score(prompts, completions)
+        with self._autocast():
+            return model_logps(self.model, prompts, completions, self.device)
+
+    def close(self) -> None:
+        """Release the rollout engine (a vLLM engine holds its own weights and KV cache)."""
+        self.engine.close()
 
     # ---------------------------------------------------------------------------------- save/load
     def save(self, path: str | Path) -> CheckpointInfo:
@@ -262,6 +315,7 @@ class AgentTrainer:
             return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
         self.model = AutoModelForCausalLM.from_pretrained(path / "model", dtype=self.model.dtype).to(self.device).eval()
         self.from_checkpoint = True
+        self.engine.sync(self.model)  # the engine samples from the restored weights
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.step = state["step"]
         if self.trainable:
@@ -334,17 +388,6 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
-    return ids.to(device), mask.to(device)
-
-
 def _right_pad(rows: list[list[float]], pad, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     values = torch.full((len(rows), width), pad, dtype=dtype)
@@ -358,7 +401,7 @@ def _right_pad(rows: list[list[float]], pad, dtype, device) -> tuple[torch.Tenso
 def _collate(experiences: list[Experience], pad: int, temperature: float, device):
     """Left-padded prompts, right-padded completions, their masks, (B,) advantages, old log-probs or None,
     and (B,) sampling temperatures (`temperature` where an experience carries none)."""
-    prompt_ids, prompt_mask = _left_pad([e.prompt_ids for e in experiences], pad, device)
+    prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in experiences], pad, device)
     completion_ids, completion_mask = _right_pad([e.completion_ids for e in experiences], pad, torch.long, device)
     advantages = torch.tensor([e.advantage for e in experiences], dtype=torch.float32, device=device)
     temperatures = torch.tensor([e.temperature or temperature for e in experiences], dtype=torch.float32, device=device)

