@@ -137,7 +137,7 @@ class Coordinator:
         self.log.write_probe(token)
         try:
             seen = self.trainers.call(storage.probe, {a: {"where": where, "token": token, "agent": a} for a in agents},
-                                      timeout=self.config.train.call_timeout_s)
+                                      timeout=self.config.train.checkpoint_timeout_s)
             blind = [a for a in agents if not (seen[a] and self.log.probe_answered(token, a))]
         finally:
             self.log.remove_probes(token, agents)

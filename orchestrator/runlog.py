@@ -133,6 +133,10 @@ class RunLog:
             (self.dir / ".lock").unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 self.dir.rmdir()
+            place = self.checkpoint_dir()
+            with contextlib.suppress(OSError):  # and its place in storage, made at claim, if still empty
+                if isinstance(place, Location) and not storage.file_sizes(place.parent):
+                    storage.delete(place.parent)
         self._lock.close()  # closing the file drops the flock; a killed process drops it too
         self._lock = None
 

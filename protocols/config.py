@@ -282,7 +282,8 @@ class TrainConfig(_Strict):
     call_timeout_s: float | None = Field(3600.0, gt=0.0)
     """A generate or update taking longer than this counts as a hung trainer (Ray trainers); None waits forever."""
     checkpoint_timeout_s: float | None = Field(3600.0, gt=0.0)
-    """A trainer's save or load taking longer than this counts as a hung trainer (Ray trainers); None waits forever."""
+    """A trainer's save or load (or its storage probe at start) taking longer than this counts as a hung trainer (Ray
+    trainers); None waits forever."""
     start_timeout_s: float | None = Field(1800.0, gt=0.0)
     """Trainers not up (model loaded) this long after placement fail the start (Ray trainers); None waits forever."""
     transcripts_per_step: int = Field(2, ge=0)

@@ -159,6 +159,20 @@ def test_a_run_directory_the_worker_node_does_not_see_is_refused_at_start(two_no
     assert two_nodes.worker_sees(two_nodes.private) == [str(two_nodes.private), str(two_nodes.worker_tmp)]
 
 
+def test_a_storage_path_the_worker_node_does_not_share_is_refused_at_start(two_nodes, tmp_path):
+    store = two_nodes.private / "not-shared-store"  # a plain path: as if NFS were mounted on the head only
+    out = marsi("run", write(tmp_path, cluster_config(steps=2, storage=str(store))), "--run-dir", tmp_path / "run",
+                env=two_nodes.env())
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"marsi: error: train.storage {store} is not the same storage on node {WORKER} \([0-9.]+, id "
+                        rf"[0-9a-f]{{12}}\), which hosts agent '(a|b)' \(a file this coordinator wrote to {store}/run/"
+                        r"checkpoints is not visible there\); give train.storage a URI or shared path that every node "
+                        r"reaches", line), line
+    assert leftovers([str(p) for p in store.rglob("*")]) == []
+    assert two_nodes.worker_sees(two_nodes.private) == [str(two_nodes.private), str(two_nodes.worker_tmp)]
+
+
 def test_checkpoints_in_shared_storage_survive_a_killed_trainer_and_a_resume(two_nodes, tmp_path):
     """Two agents on two nodes, checkpoints in a file:// store both nodes share, the run directory on the
     head's disk only: a trainer on the worker node is killed, every trainer restarts from the last

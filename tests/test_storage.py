@@ -122,6 +122,7 @@ def test_a_new_run_refuses_a_place_in_storage_that_holds_checkpoints(tmp_path):
                                           r"named run; give a new --run-dir"):
         Coordinator(validate_config(raw_config(steps=1, storage=store)), tmp_path / "two" / "run").start()
     assert not (tmp_path / "two" / "run").exists()
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["run"]
 
 
 def test_a_resume_keeps_its_storage(tmp_path):
@@ -156,3 +157,32 @@ def test_locations_behave_like_paths_where_the_coordinator_needs_them():
     assert str(loc) == "s3://bucket/prefix/run/checkpoints/step-000003"
     assert loc.name == "step-000003" and loc.parent.name == "checkpoints"
     assert json.loads(json.dumps({"at": str(loc)}))["at"].startswith("s3://")
+
+
+def test_unusable_storage_is_one_line_before_any_trainer_starts(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    raw = raw_config(steps=1, storage=f"file://{tmp_path}/a-file/store")
+    with pytest.raises(storage.StorageError, match=rf"train.storage file://{tmp_path}/a-file/store: cannot use "
+                                                   rf"file://{tmp_path}/a-file/store/run/checkpoints \(.*\); check the URI"):
+        Coordinator(validate_config(raw), tmp_path / "run").start()
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["run directory", "storage"])
+def test_a_checkpoint_is_not_committed_without_every_reported_file(tmp_path, where):
+    log = RunLog(tmp_path / "run", storage=None if where == "run directory" else f"file://{tmp_path}/store")
+    staging = log.staging_path(4)
+    report = {"agents/b/trainer_state.pt": ("0" * 64, 12345)}
+    with pytest.raises(storage.StorageError, match=r"checkpoint step-000004: agents/b/trainer_state.pt, which its trainer "
+                                                   r"reported writing \(12345 bytes\), is not there as this coordinator sees"):
+        log.commit_checkpoint(staging, 4, {"step": 4, "episodes": 0, "data": {}, "baselines": {}}, keep=2, files=report)
+    assert log.checkpoints() == []
+
+
+def test_a_run_that_fails_to_start_leaves_nothing_in_storage(tmp_path):
+    raw = raw_config(steps=1, storage=f"file://{tmp_path}/store")
+    raw["agents"]["a"]["generation"]["max_prompt_length"] = 1020  # beyond the model's context: a trainer cannot start
+    raw["agents"]["a"]["generation"]["max_completion_length"] = 8
+    with pytest.raises(Exception, match="exceed the model's context"):
+        Coordinator(validate_config(raw), tmp_path / "run").start()
+    assert not (tmp_path / "run").exists() and list((tmp_path / "store").iterdir()) == []
