@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -65,21 +65,35 @@ class _TrainerActor:
         from agent_trainer.group import TrainerStartError, start_trainer
 
         torch.set_num_threads(threads)
+        self.node = node_label(ray.get_runtime_context().get_node_id())
         self.trainer, self.error = None, None
         try:
-            self.trainer = start_trainer(name, config, index, total_updates)
+            self.trainer = start_trainer(name, config, index, total_updates, where=self.node)
         except TrainerStartError as exc:  # reported by info(), so the driver gets one clean line
             self.error = str(exc)
 
-    def call(self, method: str, kwargs: dict[str, Any]):
-        return getattr(self.trainer, method)(**kwargs)
+    def call(self, method: str | Callable, kwargs: dict[str, Any]):
+        from agent_trainer.group import invoke
+
+        return invoke(self.trainer, method, kwargs)
 
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "error": self.error, "node": ray.get_runtime_context().get_node_id(),
+                "node_label": self.node,
                 "device": str(self.trainer.device) if self.trainer else None,
                 "engine": self.trainer.engine.name if self.trainer else None,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+
+def node_label(node_id: str) -> str:
+    """`node NAME (IP, id 0123abcd...)`: how messages name a Ray node (its name is its IP unless set with
+    `ray start --node-name`)."""
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            name, ip = node.get("NodeName") or "?", node.get("NodeManagerAddress") or "?"
+            return f"node {name} ({'' if name == ip else ip + ', '}id {node_id[:12]})"
+    return f"node {node_id[:12]}"
 
 
 class RayTrainers:
@@ -97,7 +111,7 @@ class RayTrainers:
             raise PlacementError(problem)
         bundles = [{"CPU": a.resources.num_cpus, **({"GPU": a.resources.num_gpus} if a.resources.num_gpus else {})}
                    for a in config.agents.values()]
-        self.pg = placement_group(bundles, strategy="PACK")
+        self.pg = placement_group(bundles, strategy=config.ray.placement_strategy)
         try:
             ray.get(self.pg.ready(), timeout=config.ray.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -127,10 +141,13 @@ class RayTrainers:
             self.close()
             raise TrainerStartError(errors[0])
 
-    def call(self, method: str, kwargs_by_agent: dict[str, dict[str, Any]], timeout: float | None = None) -> dict:
-        """Fan out to every named agent, then gather; a dead, hung or raising trainer is a TrainerFailure."""
-        from agent_trainer.group import TrainerFailure
+    def call(self, method: str | Callable, kwargs_by_agent: dict[str, dict[str, Any]],
+             timeout: float | None = None) -> dict:
+        """Fan out to every named agent, then gather; a dead, hung or raising trainer is a TrainerFailure.
+        `method`: a trainer method's name, or a function run in the trainer's process (`agent_trainer.storage`)."""
+        from agent_trainer.group import TrainerFailure, method_name
 
+        method_label = method_name(method)
         refs = {n: self.actors[n].call.remote(method, kwargs) for n, kwargs in kwargs_by_agent.items()}
         deadline = None if timeout is None else time.monotonic() + timeout
         results = {}
@@ -139,12 +156,12 @@ class RayTrainers:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 results[name] = ray.get(ref, timeout=left)
             except ray.exceptions.GetTimeoutError:
-                raise TrainerFailure(name, method, f"no answer within {timeout:g}s (hung)", recoverable=True) from None
+                raise TrainerFailure(name, method_label, f"no answer within {timeout:g}s (hung)", recoverable=True) from None
             except ray.exceptions.RayActorError as exc:
                 reason = one_line(exc)[:200]
-                raise TrainerFailure(name, method, f"its process died ({reason})", recoverable=True) from None
+                raise TrainerFailure(name, method_label, f"its process died ({reason})", recoverable=True) from None
             except ray.exceptions.RayTaskError as exc:
-                raise TrainerFailure(name, method, describe(exc.cause or exc), recoverable=False) from None
+                raise TrainerFailure(name, method_label, describe(exc.cause or exc), recoverable=False) from None
         return results
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:

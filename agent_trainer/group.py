@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -50,8 +51,35 @@ def num_threads(num_cpus: float) -> int:
     return max(1, math.floor(num_cpus))
 
 
-def start_trainer(name: str, config: RunConfig, index: int, total_updates: int) -> AgentTrainer:
-    """An AgentTrainer for agent `name`; any failure becomes a one-line TrainerStartError."""
+def method_name(method: str | Callable) -> str:
+    """How a trainer call is named in messages: the trainer method, or the storage function (save, load, ...)."""
+    return method if isinstance(method, str) else method.__name__
+
+
+def invoke(trainer: AgentTrainer, method: str | Callable, kwargs: dict[str, Any]):
+    """Call a trainer method by name, or a function that takes the trainer first (`agent_trainer.storage`)."""
+    return getattr(trainer, method)(**kwargs) if isinstance(method, str) else method(trainer, **kwargs)
+
+
+def missing_model_path(name: str, config: RunConfig, where: str) -> str | None:
+    """Why agent `name` cannot load here: its model or tokenizer is a local path (absolute, as the config
+    resolves it; a hub id or a built-in is not) that does not exist on this node, or None."""
+    agent = config.agents[name]
+    for key in ("model", "tokenizer"):
+        value = getattr(agent, key)
+        if value and value.startswith("/") and not Path(value).exists():
+            return (f"agent {name!r}: agents.{name}.{key} {value!r} does not exist on {where}, which hosts this agent; "
+                    "copy it to that path on every node that may host the agent, or give a hub id or a built-in")
+    return None
+
+
+def start_trainer(name: str, config: RunConfig, index: int, total_updates: int,
+                  where: str = "this machine") -> AgentTrainer:
+    """An AgentTrainer for agent `name`; any failure becomes a one-line TrainerStartError. `where` names the
+    node in messages."""
+    problem = missing_model_path(name, config, where)
+    if problem:
+        raise TrainerStartError(problem)
     try:
         return AgentTrainer(name, config.agents[name], config.algorithm, seed=config.train.seed + index,
                             total_updates=total_updates, trainable=name not in config.schedule.frozen)
@@ -69,14 +97,15 @@ class LocalTrainers:
             torch.set_num_threads(self.threads[name])
             self.trainers[name] = start_trainer(name, config, i, updates[name])
 
-    def call(self, method: str, kwargs_by_agent: dict[str, dict[str, Any]], timeout: float | None = None) -> dict:
+    def call(self, method: str | Callable, kwargs_by_agent: dict[str, dict[str, Any]],
+             timeout: float | None = None) -> dict:
         results = {}
         for name, kwargs in kwargs_by_agent.items():
             torch.set_num_threads(self.threads[name])
             try:
-                results[name] = getattr(self.trainers[name], method)(**kwargs)
+                results[name] = invoke(self.trainers[name], method, kwargs)
             except Exception as exc:
-                raise TrainerFailure(name, method, describe(exc), recoverable=False) from exc
+                raise TrainerFailure(name, method_name(method), describe(exc), recoverable=False) from exc
         return results
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:

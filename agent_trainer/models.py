@@ -61,8 +61,11 @@ def load_model(name: str, *, tokenizer: str | None = None, dtype: str = "float32
 
 
 def source_fingerprint(name: str) -> dict[str, list[int]]:
-    """Size and modification time of every file of a local model directory (empty for a hub id): what a
-    frozen agent's checkpoint records instead of a copy of its weights."""
+    """Size and modification time of every file of a local model directory (empty for a hub id, and for a
+    built-in, which every node builds alike from a fixed seed at its own time): what a frozen agent's
+    checkpoint records instead of a copy of its weights."""
+    if name.startswith("builtin:"):
+        return {}
     path = Path(resolve_model_path(name))
     if not path.is_dir():
         return {}

@@ -6,23 +6,29 @@ Its primitives (`generate`, `train`, `checkpoint`, `restore`) serve custom coord
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
+import secrets
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent_trainer import storage
 from agent_trainer.group import LocalTrainers, TrainerFailure
 from agent_trainer.models import architecture_mismatch
+from agent_trainer.storage import Location, StorageError
 from orchestrator import rollout
 from orchestrator.advantages import experiences_by_agent
 from orchestrator.data import DataPosition, load_samples, next_batch
 from orchestrator.evaluation import Evaluation, partner_agents
-from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, read_checkpoint_state
+from orchestrator.runlog import (
+    Checkpoint, RunDirError, RunLog, as_checkpoint, checkpoint_problem, read_checkpoint_state,
+)
 from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
 from protocols.config import ConfigError, RunConfig, load_config
 from protocols.errors import UserError
@@ -68,9 +74,9 @@ class Coordinator:
         self.evaluation = Evaluation(config, self.samples) if config.eval else None
         self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat
         self.state = CoordinatorState()
-        self.log = RunLog(run_dir, config.logging) if run_dir is not None else None
+        self.log = RunLog(run_dir, config.logging, config.train.storage) if run_dir is not None else None
         self.trainers = None
-        self.restored_from: Path | None = None
+        self.restored_from: Checkpoint | None = None
         self.restarts = 0
         self.stop_requested = False
         self._owns_ray = False
@@ -98,6 +104,7 @@ class Coordinator:
 
                 self._owns_ray = init_ray(self.config.ray)
             self.trainers = self._start_trainers()
+            self._check_storage_reach()
         except BaseException:
             self.close()
             raise
@@ -117,6 +124,36 @@ class Coordinator:
 
             return RayTrainers(config, updates)
         return LocalTrainers(config, updates)
+
+    def _check_storage_reach(self) -> None:
+        """With Ray, trainers may run on other nodes: each must see where checkpoints go (the run directory,
+        or train.storage). The coordinator writes a probe file there; each trainer reads it on its own node
+        and, if it sees it, writes its answer beside it, which the coordinator must then see. A node that
+        does not see the probe writes nothing, so a failed check leaves no file on any node."""
+        if self.log is None or not self.config.ray.enabled:
+            return
+        agents, token = list(self.config.agents), secrets.token_hex(8)
+        where = self.log.probe_location()
+        self.log.write_probe(token)
+        try:
+            seen = self.trainers.call(storage.probe, {a: {"where": where, "token": token, "agent": a} for a in agents},
+                                      timeout=self.config.train.checkpoint_timeout_s)
+            blind = [a for a in agents if not (seen[a] and self.log.probe_answered(token, a))]
+        finally:
+            self.log.remove_probes(token, agents)
+        if blind:
+            agent = blind[0]
+            node = self.trainers.info()[agent].get("node_label", "its node")
+            if isinstance(where, Location):
+                raise StorageError(
+                    f"train.storage {self.log.storage} is not the same storage on {node}, which hosts agent {agent!r} (a "
+                    f"file this coordinator wrote to {where} is not visible there); give train.storage a URI or shared "
+                    "path that every node reaches")
+            raise StorageError(
+                f"the run directory {self.log.dir} is not shared with {node}, which hosts agent {agent!r} (a file this "
+                f"coordinator wrote there is not visible to it), so checkpoints would stay on that node; set "
+                "train.storage to a URI every node reaches (s3://bucket/prefix, gs://..., hdfs://..., or file:// or a "
+                "path on a shared filesystem), or put the run directory on a filesystem all nodes share")
 
     def close(self) -> None:
         if self.trainers is not None:
@@ -138,7 +175,7 @@ class Coordinator:
         run_dir = Path(run_dir)
         config = load_config(run_dir / "config.yaml", overrides)
         check_resume(config, load_config(run_dir / "config.yaml", check_imports=False), RunLog(run_dir))
-        coord = cls(config, run_dir, resume=True)
+        coord = cls(config, run_dir, resume=True)  # its RunLog finds checkpoints where config.yaml says
         coord.start()
         try:
             try:
@@ -215,7 +252,7 @@ class Coordinator:
         self.state.episodes += len(episodes)
         return episodes
 
-    def checkpoint(self, step: int | None = None) -> Path:
+    def checkpoint(self, step: int | None = None) -> Checkpoint:
         """Save every trainer and the coordinator state (with `loop_state`) under checkpoints/step-N,
         atomically. Custom loops pass the `step` they reached; `run()` keeps its own count."""
         if self.log is None:
@@ -235,38 +272,58 @@ class Coordinator:
             self.state.step = step
         return self._save_checkpoint()
 
-    def _save_checkpoint(self) -> Path:
+    def _save_checkpoint(self) -> Checkpoint:
+        """Each trainer writes its files (into the run directory, or staged on its node and uploaded to
+        train.storage) and reports them with checksums and sizes; the coordinator commits the checkpoint
+        once every reported file is there, with all of them in its manifest."""
         staging = self.log.staging_path(self.state.step)
         try:
-            self.trainers.call("save", {a: {"path": str(staging / "agents" / a)} for a in self.config.agents},
-                               timeout=self.config.train.checkpoint_timeout_s)
+            stored = self.trainers.call(storage.save, {a: {"target": staging / "agents" / a} for a in self.config.agents},
+                                        timeout=self.config.train.checkpoint_timeout_s)
+            files = {f"agents/{a}/{name}": (digest, report.sizes[name])
+                     for a, report in stored.items() for name, digest in report.files.items()}
             state = {**asdict(self.state), "schedule_phase": self.schedule.phase(self.state.step)}
-            return self.log.commit_checkpoint(staging, self.state.step, state, self.config.train.keep_checkpoints)
+            return self.log.commit_checkpoint(staging, self.state.step, state, self.config.train.keep_checkpoints,
+                                              files=files)
         except BaseException as exc:
             full = self.log.disk_full(exc)
             problem = self.log.disk_problem(exc) if full else None  # measured before the cleanup frees space
-            shutil.rmtree(staging, ignore_errors=True)  # a half-written checkpoint only takes space
+            self.log.abort_checkpoint(staging)  # a half-written checkpoint only takes space
             if full:
                 raise RunDirError(problem) from exc
             raise
 
-    def restore(self, path: str | Path | None = None) -> Path:
-        """Load every trainer and the coordinator state from `path`; by default from the newest
-        checkpoint that is intact, falling back to older ones (and saying so) when the newest is damaged
-        (a missing, truncated or altered file). A trainer that dies or hangs while loading is a trainer
-        failure (see `recover`), not damage."""
-        candidates = [Path(path)] if path is not None else list(reversed(self.log.checkpoints()))
+    def _load_trainers(self, checkpoint: Checkpoint) -> str | None:
+        """Every trainer loads its files of `checkpoint` (from storage: downloaded to its node and checked
+        against the manifest there); why the checkpoint is damaged, or None once all have loaded."""
+        files: dict[str, dict[str, str]] = {a: {} for a in self.config.agents}
+        if isinstance(checkpoint, Location):
+            for name, digest in read_checkpoint_state(checkpoint)["manifest"].items():
+                agent, _, rest = name.removeprefix("agents/").partition("/")
+                if name.startswith("agents/") and agent in files:
+                    files[agent][rest] = digest
+        kwargs = {a: {"source": checkpoint / "agents" / a, **({"files": files[a]} if isinstance(checkpoint, Location) else {})}
+                  for a in self.config.agents}
+        problems = self.trainers.call(storage.load, kwargs, timeout=self.config.train.checkpoint_timeout_s)
+        return next((f"agents/{a}/{p}" for a, p in problems.items() if p), None)
+
+    def restore(self, path: str | Path | Location | None = None) -> Checkpoint:
+        """Load every trainer and the coordinator state from `path` (a run-directory path or a storage URI);
+        by default from the newest checkpoint that is intact, falling back to older ones (and saying so)
+        when the newest is damaged (a missing, truncated or altered file). A trainer that dies or hangs while
+        loading is a trainer failure (see `recover`), not damage."""
+        candidates = [as_checkpoint(path)] if path is not None else list(reversed(self.log.checkpoints()))
         if not candidates:
             raise FileNotFoundError(f"{self.log.dir}: no complete checkpoint to resume from; start the run anew with marsi run")
         for i, candidate in enumerate(candidates):
             problem = checkpoint_problem(candidate)
             if problem is None:
+                problem = self._load_trainers(candidate)
+            if problem is None:
                 break
             if i + 1 == len(candidates):
                 raise FileNotFoundError(f"checkpoint {candidate} cannot be loaded: {problem}; no older one is left")
             say(f"checkpoint {candidate.name} is damaged ({problem}); falling back to {candidates[i + 1].name}")
-        self.trainers.call("load", {a: {"path": str(candidate / "agents" / a)} for a in self.config.agents},
-                           timeout=self.config.train.checkpoint_timeout_s)
         raw = read_checkpoint_state(candidate)
         self.state = CoordinatorState(step=raw["step"], episodes=raw["episodes"], data=DataPosition(**raw["data"]),
                                       baselines=raw["baselines"], loop_state=raw.get("loop_state", {}))
@@ -292,6 +349,7 @@ class Coordinator:
             try:
                 self.trainers.close()
                 self.trainers = self._start_trainers()
+                self._check_storage_reach()  # restarted trainers may sit on other nodes
                 if last is not None:
                     self.restore()
                 return
@@ -307,13 +365,12 @@ class Coordinator:
         return self.trainers.call("parameters_digest", {a: {} for a in agents or self.config.agents},
                                   timeout=self.config.train.call_timeout_s)
 
-    def load_weights(self, checkpoint: str | Path) -> None:
+    def load_weights(self, checkpoint: str | Path | Location) -> None:
         """Load every agent's weights from an intact checkpoint, leaving the coordinator's own state as it is."""
-        problem = checkpoint_problem(Path(checkpoint))
+        checkpoint = as_checkpoint(checkpoint)
+        problem = checkpoint_problem(checkpoint) or self._load_trainers(checkpoint)
         if problem:
             raise FileNotFoundError(f"checkpoint {checkpoint} cannot be loaded: {problem}")
-        self.trainers.call("load", {a: {"path": str(Path(checkpoint) / "agents" / a)} for a in self.config.agents},
-                           timeout=self.config.train.checkpoint_timeout_s)
 
     def _evaluated(self) -> bool:
         """Whether the run's records already hold an evaluation of the current step."""
@@ -421,14 +478,34 @@ def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
     if config.train.steps < done:
         raise ResumeError(f"train.steps={config.train.steps} is below the {done} steps {log.dir} has done; "
                           f"give train.steps >= {done}")
+    if config.train.storage != stored.train.storage:
+        raise ResumeError(f"train.storage={config.train.storage!r}: a resumed run keeps its checkpoint storage "
+                          f"({stored.train.storage!r}); copy the checkpoints and start a new run to move them")
     checkpoint = log.latest_checkpoint()
     for name, agent in config.agents.items():
-        saved = checkpoint / "agents" / name / "model"
-        if agent.model != stored.agents[name].model and saved.is_dir():
-            problem = architecture_mismatch(agent.model, saved)
-            if problem:
-                raise ResumeError(f"agents.{name}.model={agent.model!r}: {problem}, so the checkpoint's weights "
-                                  "cannot load into it; resume with the run's model")
+        if agent.model == stored.agents[name].model:
+            continue
+        with _saved_model_config(checkpoint / "agents" / name / "model") as saved:
+            problem = architecture_mismatch(agent.model, saved) if saved is not None else None
+        if problem:
+            raise ResumeError(f"agents.{name}.model={agent.model!r}: {problem}, so the checkpoint's weights "
+                              "cannot load into it; resume with the run's model")
+
+
+@contextlib.contextmanager
+def _saved_model_config(saved: Checkpoint):
+    """A local directory holding the config.json of a checkpoint's saved model (fetched from storage into
+    a temporary directory), or None when the checkpoint holds no weights (a frozen agent's)."""
+    if not isinstance(saved, Location):
+        yield saved if saved.is_dir() else None
+        return
+    with tempfile.TemporaryDirectory(prefix="marsi-config-") as tmp:
+        try:
+            (Path(tmp) / "config.json").write_bytes(storage.read_bytes(saved / "config.json"))
+        except OSError:
+            yield None
+            return
+        yield tmp
 
 
 class RunFailed(RuntimeError):

@@ -8,8 +8,15 @@
 
 A run directory belongs to one run: a new run refuses a directory that holds one, and a lock keeps a
 second live process out. Files are never rewritten in place: a cut-back file is written beside the
-old one and renamed over it. `coordinator.json` is written last and carries a checksum of every other
-file of its checkpoint and of itself.
+old one and renamed over it. `coordinator.json` is written last and carries a checksum (and size) of
+every other file of its checkpoint, as the trainers that wrote them reported, and of itself.
+
+With `train.storage` set, checkpoints live at `STORAGE/RUN_NAME/checkpoints/step-N/` instead (a
+`Location`, see agent_trainer/storage.py), with the same layout; the rest of the run directory stays
+on the coordinator's machine. A URI store has no atomic rename: trainers upload straight into
+`step-N/` and the checkpoint counts once `coordinator.json` is there; rewriting or pruning a checkpoint
+deletes its `coordinator.json` first, and uncommitted `step-N/` prefixes left by a crash are removed at
+the next commit. Functions here take a checkpoint as a `Path` (run directory) or a `Location`.
 """
 
 from __future__ import annotations
@@ -28,9 +35,13 @@ from typing import Any, Iterator
 
 import yaml
 
+from agent_trainer import storage
+from agent_trainer.storage import Location, StorageError
 from protocols.config import LoggingConfig, RunConfig
 from protocols.errors import UserError
 
+Checkpoint = Path | Location
+"""A checkpoint directory: in the run directory, or in `train.storage`."""
 CHECKPOINT_DONE = "coordinator.json"  # written last: a checkpoint without it is incomplete
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 _STATE_KEYS = ("step", "episodes", "data", "baselines", "manifest")
@@ -62,9 +73,11 @@ def holds_run(path: Path) -> bool:
 class RunLog:
     """Reads and writes one run directory. `claim()` makes this process its writer."""
 
-    def __init__(self, run_dir: str | Path, logging: LoggingConfig | None = None):
+    def __init__(self, run_dir: str | Path, logging: LoggingConfig | None = None, storage: str | None = None):
+        """`storage`: the run's `train.storage`; None: as its config.yaml records (none: the run directory)."""
         self.dir = Path(run_dir)
         self.logging = logging or LoggingConfig()
+        self.storage = storage if storage is not None else recorded_storage(self.dir)
         self.sinks: list = []
         self._lock = None
 
@@ -91,7 +104,26 @@ class RunLog:
         lock.write(f"marsi pid {os.getpid()}")
         lock.flush()
         self._lock = lock
+        if self.storage is not None:
+            try:
+                self._claim_storage(resume)
+            except BaseException:
+                self.release()
+                raise
         self.sinks = _sinks(self.logging, self.dir)
+
+    def _claim_storage(self, resume: bool) -> None:
+        """A new run's place in train.storage must hold no other run's checkpoints; it is made now, so an
+        unreachable store fails before any trainer starts."""
+        root = self.checkpoint_dir()
+        try:
+            if not resume and self.checkpoints():
+                raise RunDirError(f"train.storage: {root} already holds checkpoints of a run named {self.dir.resolve().name}; "
+                                  "give a new --run-dir (its name names the run's place in storage) or another train.storage")
+            storage.make_dirs(root)
+        except OSError as exc:
+            raise StorageError(f"train.storage {self.storage}: cannot use {root} ({' '.join(str(exc).split())}); "
+                               "check the URI, that it exists and is writable, and for object stores the credentials") from None
 
     def release(self) -> None:
         """Give up the directory; one that still holds nothing (a run that failed to start) is removed."""
@@ -101,6 +133,10 @@ class RunLog:
             (self.dir / ".lock").unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 self.dir.rmdir()
+            place = self.checkpoint_dir()
+            with contextlib.suppress(OSError):  # and its place in storage, made at claim, if still empty
+                if isinstance(place, Location) and not storage.file_sizes(place.parent):
+                    storage.delete(place.parent)
         self._lock.close()  # closing the file drops the flock; a killed process drops it too
         self._lock = None
 
@@ -161,6 +197,9 @@ class RunLog:
             (self.dir / name).unlink(missing_ok=True)
         for name in ("checkpoints", "source", "tensorboard"):
             shutil.rmtree(self.dir / name, ignore_errors=True)
+        if isinstance(self.checkpoint_dir(), Location):  # this run's place in storage (a new run found it empty)
+            with contextlib.suppress(OSError):
+                storage.delete(self.checkpoint_dir().parent)
         with contextlib.suppress(OSError):
             self.dir.rmdir()  # only if nothing else is in it
         return True
@@ -201,46 +240,157 @@ class RunLog:
         return read_jsonl(self.dir / "metrics.jsonl")
 
     # -------------------------------------------------------------------------------- checkpoints
-    def checkpoint_dir(self) -> Path:
-        return self.dir / "checkpoints"
+    def checkpoint_dir(self) -> Checkpoint:
+        """Where this run's checkpoints go: RUN_DIR/checkpoints, or STORAGE/RUN_NAME/checkpoints."""
+        if self.storage is None:
+            return self.dir / "checkpoints"
+        return Location.parse(self.storage) / self.dir.resolve().name / "checkpoints"
 
-    def staging_path(self, step: int) -> Path:
-        """A fresh temporary directory to write the checkpoint of `step` into."""
-        path = self.checkpoint_dir() / f".tmp-step-{step:06d}"
+    def staging_path(self, step: int) -> Checkpoint:
+        """Where to write the checkpoint of `step`: a fresh temporary directory of the run directory, or the
+        checkpoint's own place in storage, emptied (its commit record first)."""
+        root = self.checkpoint_dir()
+        if isinstance(root, Location):
+            place = root / f"step-{step:06d}"
+            storage.delete(place, first=CHECKPOINT_DONE)
+            return place
+        path = root / f".tmp-step-{step:06d}"
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
         return path
 
-    def commit_checkpoint(self, staging: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-        """Write the coordinator state (with a checksum of every file and of itself) last, rename the
-        directory into place, keep the newest `keep`."""
-        manifest = {str(p.relative_to(staging)): _sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()}
-        record = {**state, "manifest": manifest}
-        (staging / CHECKPOINT_DONE).write_text(json.dumps({**record, "sha256": _digest(record)}))
-        final = self.checkpoint_dir() / f"step-{step:06d}"
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
+    def abort_checkpoint(self, staging: Checkpoint) -> None:
+        """Remove a checkpoint that will not be committed (it only takes space)."""
+        if isinstance(staging, Location):
+            with contextlib.suppress(OSError):
+                storage.delete(staging, first=CHECKPOINT_DONE)
+        else:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def commit_checkpoint(self, staging: Checkpoint, step: int, state: dict[str, Any], keep: int,
+                          files: dict[str, tuple[str, int]] | None = None) -> Checkpoint:
+        """Check that every file the trainers reported (`files`: name -> (sha256, size)) is there, write the
+        coordinator state with that manifest and a checksum of itself last, move the checkpoint into place
+        (run directory), keep the newest `keep`, and remove what failed checkpoints left. Without `files`
+        (a run directory only), every file under `staging` is hashed here."""
+        if files is None:
+            if isinstance(staging, Location):
+                raise ValueError("commit_checkpoint: a checkpoint in storage needs the trainers' file report")
+            files = storage.hash_tree(staging)
+        present = storage.file_sizes(staging) if isinstance(staging, Location) else None
+        for name, (_, size) in sorted(files.items()):
+            found = present.get(name) if present is not None else _size(staging / name)
+            if found != size:
+                where = "is not there" if found is None else f"is {found} bytes there, not {size}"
+                raise StorageError(f"checkpoint step-{step:06d}: {name}, which its trainer reported writing ({size} bytes), "
+                                   f"{where} as this coordinator sees {staging}; every node must reach the same "
+                                   "checkpoint storage (train.storage)")
+        record = {**state, "manifest": {name: digest for name, (digest, _) in files.items()},
+                  "sizes": {name: size for name, (_, size) in files.items()}}
+        text = json.dumps({**record, "sha256": _digest(record)})
+        if isinstance(staging, Location):
+            storage.write_bytes(staging / CHECKPOINT_DONE, text.encode())
+            final = staging
+        else:
+            (staging / CHECKPOINT_DONE).write_text(text)
+            final = self.checkpoint_dir() / f"step-{step:06d}"
+            shutil.rmtree(final, ignore_errors=True)
+            staging.rename(final)
         for old in self.checkpoints()[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            self.abort_checkpoint(old)
+        self._sweep(keep=final)
         return final
 
-    def checkpoints(self) -> list[Path]:
+    def _sweep(self, keep: Checkpoint) -> None:
+        """Remove what earlier, failed checkpoints left: `.tmp-step-*` staging directories of the run
+        directory, or `step-N/` prefixes in storage that were never committed."""
+        root = self.checkpoint_dir()
+        if isinstance(root, Location):
+            for name in storage.subdirectories(root):
+                place = root / name
+                if place != keep and not storage.exists(place / CHECKPOINT_DONE):
+                    self.abort_checkpoint(place)
+        elif root.is_dir():
+            for path in root.glob(".tmp-step-*"):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def checkpoints(self) -> list[Checkpoint]:
         """Complete checkpoints, oldest first (by step number, not by name)."""
         root = self.checkpoint_dir()
-        if not root.exists():
-            return []
-        found = [p for p in root.glob("step-*") if p.name[5:].isdigit() and (p / CHECKPOINT_DONE).exists()]
+        if isinstance(root, Location):
+            found = [root / name for name in storage.subdirectories(root)
+                     if name.startswith("step-") and name[5:].isdigit()]
+            found = [c for c in found if storage.exists(c / CHECKPOINT_DONE)]
+        else:
+            if not root.exists():
+                return []
+            found = [p for p in root.glob("step-*") if p.name[5:].isdigit() and (p / CHECKPOINT_DONE).exists()]
         return sorted(found, key=lambda p: int(p.name[5:]))
 
-    def latest_checkpoint(self) -> Path | None:
+    def latest_checkpoint(self) -> Checkpoint | None:
         found = self.checkpoints()
         return found[-1] if found else None
 
+    # ------------------------------------------------------------------------------------ probes
+    def probe_location(self) -> Checkpoint:
+        """Where trainers prove they reach the run's checkpoint storage: the run directory, or the store."""
+        return self.dir if self.storage is None else self.checkpoint_dir()
 
-def read_checkpoint_state(path: Path) -> dict[str, Any]:
+    def write_probe(self, token: str) -> None:
+        where = self.probe_location()
+        if isinstance(where, Location):
+            storage.write_bytes(where / f"{storage.PROBE_PREFIX}{token}", token.encode())
+        else:
+            (where / f"{storage.PROBE_PREFIX}{token}").write_text(token)
+
+    def probe_answered(self, token: str, agent: str) -> bool:
+        where = self.probe_location() / f"{storage.PROBE_PREFIX}{token}-{agent}"
+        try:
+            return (storage.read_bytes(where) if isinstance(where, Location) else where.read_bytes()) == token.encode()
+        except OSError:
+            return False
+
+    def remove_probes(self, token: str, agents: list[str]) -> None:
+        where = self.probe_location()
+        for name in [f"{storage.PROBE_PREFIX}{token}", *(f"{storage.PROBE_PREFIX}{token}-{a}" for a in agents)]:
+            with contextlib.suppress(OSError):
+                if isinstance(where, Location):
+                    where.fs.delete_file((where / name).path)
+                else:
+                    (where / name).unlink(missing_ok=True)
+
+
+def recorded_storage(run_dir: Path) -> str | None:
+    """The train.storage a run directory's config.yaml records (None: none, or no config yet)."""
+    try:
+        raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+        value = raw["train"].get("storage")
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def as_checkpoint(path: str | Path | Location) -> Checkpoint:
+    """A checkpoint given by the user: a URI (`s3://...`, `file://...`) is a Location, anything else a Path."""
+    if isinstance(path, (Path, Location)):
+        return path
+    return Location.parse(path) if "://" in path else Path(path)
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def read_checkpoint_state(path: Checkpoint) -> dict[str, Any]:
     """The coordinator state of the checkpoint at `path`; ValueError unless it is whole and unaltered."""
     try:
-        raw = json.loads((path / CHECKPOINT_DONE).read_text())
+        if isinstance(path, Location):
+            raw = json.loads(storage.read_bytes(path / CHECKPOINT_DONE))
+        else:
+            raw = json.loads((path / CHECKPOINT_DONE).read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"{CHECKPOINT_DONE} unreadable ({type(exc).__name__})") from None
     if not isinstance(raw, dict) or "sha256" not in raw:
@@ -254,27 +404,34 @@ def read_checkpoint_state(path: Path) -> dict[str, Any]:
     return raw
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why the checkpoint at `path` must not be loaded (missing, truncated or altered file), or None."""
+def checkpoint_problem(path: Checkpoint) -> str | None:
+    """Why the checkpoint at `path` must not be loaded (missing, truncated or altered file), or None. In
+    storage, files are checked for presence and size here; their checksums on the trainers' nodes as they
+    are downloaded (`agent_trainer.storage.load`), so that no agent's weights travel to the coordinator."""
     try:
-        manifest = read_checkpoint_state(path)["manifest"]
+        state = read_checkpoint_state(path)
     except ValueError as exc:
         return str(exc)
+    manifest = state["manifest"]
+    if isinstance(path, Location):
+        try:
+            present = storage.file_sizes(path)
+        except OSError as exc:
+            return f"its files cannot be listed ({' '.join(str(exc).split())})"
+        for name in manifest:
+            if name not in present:
+                return f"{name} is missing"
+            recorded = state.get("sizes", {}).get(name)
+            if recorded is not None and present[name] != recorded:
+                return f"{name} does not match its checksum (it is {present[name]} bytes, not {recorded})"
+        return None
     for name, digest in manifest.items():
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
-        if _sha256(file) != digest:
+        if storage.sha256(file) != digest:
             return f"{name} does not match its checksum"
     return None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _source_file(spec: str) -> Path | None:

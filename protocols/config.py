@@ -6,6 +6,7 @@ names the file, the dotted key, the bad value and what is expected.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal, get_origin
 
@@ -279,6 +280,27 @@ class EvalConfig(_Strict):
         return self
 
 
+STORAGE_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
+"""URI schemes train.storage takes: those pyarrow.fs opens."""
+
+
+def storage_problem(value: str) -> str | None:
+    """Why `value` is not a usable train.storage, or None."""
+    if not value.strip():
+        return "train.storage: empty; leave it out (checkpoints in the run directory) or give a URI"
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        return None  # a path (on a shared filesystem), resolved against the config file
+    if scheme not in STORAGE_SCHEMES:
+        return (f"train.storage: scheme {scheme!r} of {value!r} is not supported; give one of "
+                f"{', '.join(s + '://' for s in STORAGE_SCHEMES)}, or a path on a shared filesystem")
+    if scheme == "file" and not rest.startswith("/"):
+        return f"train.storage: {value!r} is not an absolute file URI; write file:///absolute/path"
+    if scheme != "file" and not rest.strip("/"):
+        return f"train.storage: {value!r} names no bucket or host; write {scheme}://bucket/prefix"
+    return None
+
+
 class TrainConfig(_Strict):
     steps: int = Field(10, ge=1)
     """Training steps."""
@@ -294,18 +316,33 @@ class TrainConfig(_Strict):
     """Newest checkpoints kept."""
     run_dir: str = "runs/{name}-{time}"
     """Run directory; `{name}` is the config file's stem, `{time}` the start time."""
+    storage: str | None = None
+    """Where checkpoints go. None: `RUN_DIR/checkpoints`, which every node hosting a trainer must then see (one
+    machine, or a shared filesystem; checked at start). Else a URI every node reaches: `s3://bucket/prefix`,
+    `gs://...`, `hdfs://...`, `file:///shared/path`, or a path on a shared filesystem (relative to the config
+    file); checkpoints go to `STORAGE/RUN_NAME/checkpoints/`, and each trainer uploads and downloads its own
+    files there through pyarrow.fs (object stores take their credentials as pyarrow does: environment, config
+    files, instance roles)."""
     max_restarts: int = Field(3, ge=0)
     """Times a dead or hung trainer is restarted (all trainers restored from the last checkpoint) before the run stops."""
     call_timeout_s: float | None = Field(3600.0, gt=0.0)
     """A generate or update taking longer than this counts as a hung trainer (Ray trainers); None waits forever."""
     checkpoint_timeout_s: float | None = Field(3600.0, gt=0.0)
-    """A trainer's save or load taking longer than this counts as a hung trainer (Ray trainers); None waits forever."""
+    """A trainer's save or load (or its storage probe at start) taking longer than this counts as a hung trainer (Ray
+    trainers); None waits forever."""
     start_timeout_s: float | None = Field(1800.0, gt=0.0)
     """Trainers not up (model loaded) this long after placement fail the start (Ray trainers); None waits forever."""
     transcripts_per_step: int = Field(2, ge=0)
     """Episodes per step written whole to transcripts.jsonl."""
     progress: bool = True
     """Show a progress bar."""
+
+    @model_validator(mode="after")
+    def _storage(self) -> TrainConfig:
+        problem = storage_problem(self.storage) if self.storage is not None else None
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 class LoggingConfig(_Strict):
@@ -326,6 +363,16 @@ class RayConfig(_Strict):
     """GPUs of a local cluster; None: Ray's default."""
     placement_timeout_s: float = Field(60.0, gt=0.0)
     """Seconds to wait for the trainers' placement group."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the trainers' placement group spreads them over a cluster's nodes (Ray's strategies): `PACK` as few
+    nodes as possible; `SPREAD` over nodes where it can; `STRICT_PACK` one node; `STRICT_SPREAD` each trainer on
+    a node of its own (fails without enough nodes)."""
+
+
+def joins_cluster(config: RayConfig) -> bool:
+    """Whether the trainers run on a Ray cluster marsi joins (`ray.address` or RAY_ADDRESS), possibly on
+    other machines: then local model paths are checked on the node that hosts each agent, not here."""
+    return config.enabled and bool(config.address or os.environ.get("RAY_ADDRESS"))
 
 
 class RunConfig(_Strict):
@@ -587,6 +634,9 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
                     raise ConfigError(f"{source}: eval.partners.{label}.{agent}: {str(local)!r} is not a directory; give "
                                       "initial, scripted, or a checkpoint or model directory")
                 held[agent] = str(local)
+    if config.train.storage is not None and "://" not in config.train.storage:
+        config.train.storage = str((base / Path(config.train.storage).expanduser()).resolve())
+    on_cluster = joins_cluster(config.ray)
     for name, agent in config.agents.items():
         for key in ("model", "tokenizer"):
             value = getattr(agent, key)
@@ -594,7 +644,7 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
                 continue
             local = _local_path(value, base)
             if local is not None:
-                if check_imports and not local.exists():
+                if check_imports and not local.exists() and not on_cluster:  # on a cluster: checked on its node
                     raise ConfigError(f"{source}: agents.{name}.{key}: {str(local)!r} not found; give an existing "
                                       "directory (relative to the config file), a hub id, or a built-in")
                 setattr(agent, key, str(local))

@@ -145,3 +145,12 @@ class CheckpointInfo(_Message):
     agent: str
     path: str
     step: int
+
+
+class StoredFiles(_Message):
+    """What a trainer wrote for one checkpoint: its files, named relative to its agent directory."""
+
+    files: dict[str, str]
+    """File name -> SHA-256 of its bytes, computed on the trainer's node as it wrote or uploaded them."""
+    sizes: dict[str, int]
+    """File name -> size in bytes (what the coordinator checks storage against before it commits)."""

@@ -118,6 +118,7 @@ CASES = {
     "yaml_not_utf8": (run(text=b"train: {steps: 2}\n# caf\xe9\n"), "not UTF-8 text (byte 0xe9 at offset 23)"),
     "yaml_alias_bomb": (run(text=_alias_bomb()), "expands to more than 100,000 values through YAML aliases"),
     "infinite_reward": (run(broken_env("inf")), "reward inf is not finite"),
+    "storage_bad_scheme": (run(setter("train.storage", "ftp://host/x")), "train.storage: scheme 'ftp' of 'ftp://host/x'"),
     "resume_without_checkpoint": (lambda tmp_path: ["resume", str(_run_dir_without_checkpoint(tmp_path))],
                                   "no complete checkpoint to resume from"),
     "resume_missing_dir": (lambda tmp_path: ["resume", str(tmp_path / "nope")], "cannot read config"),

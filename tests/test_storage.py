@@ -1,0 +1,188 @@
+"""Checkpoint storage given by URI (train.storage): the same run, resume, damage fallback, pruning and
+cleanup as checkpoints in the run directory. A `file://` URI stands for object stores here: it goes
+through the same pyarrow.fs upload and download path as s3:// or gs://. Trainers run in-process here;
+tests/test_cluster.py runs them on two Ray nodes that do not share a disk."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from agent_trainer import storage
+from agent_trainer.storage import Location
+from orchestrator.coordinator import Coordinator, ResumeError, check_resume
+from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, read_checkpoint_state
+from protocols.config import ConfigError, validate_config
+from tests.envs import config
+from tests.runs import rows, without_times
+
+STEPS = 4
+
+
+def raw_config(**train):
+    return config(train={"steps": STEPS, "checkpoint_every": 1, "keep_checkpoints": 2, **train})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Metrics of the run with checkpoints in the run directory."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    with Coordinator(validate_config(raw_config()), run_dir) as coord:
+        coord.run()
+    return without_times(rows(run_dir))
+
+
+@pytest.fixture
+def node_tmp(tmp_path, monkeypatch):
+    """This process's TMPDIR (where trainers stage checkpoint files), empty and watched."""
+    path = tmp_path / "node-tmp"
+    path.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    return path
+
+
+def test_a_run_with_storage_matches_the_run_directory_and_resumes_from_it(tmp_path, node_tmp, reference):
+    store = f"file://{tmp_path}/store"
+    run_dir = tmp_path / "run"
+    with Coordinator(validate_config(raw_config(steps=2, storage=store)), run_dir) as coord:
+        coord.run()
+    assert not (run_dir / "checkpoints").exists()  # nothing of the checkpoints in the run directory
+    log = RunLog(run_dir)  # finds the storage from the run's config.yaml
+    assert [str(c) for c in log.checkpoints()] == [f"{store}/run/checkpoints/step-00000{i}" for i in (1, 2)]
+    coord = Coordinator.resume(run_dir, ["train.steps=4"])
+    with coord:
+        assert coord.restored_from == log.latest_checkpoint() and coord.state.step == 2
+        coord.run()
+    assert without_times(rows(run_dir)) == reference
+    newest = log.latest_checkpoint()
+    assert isinstance(newest, Location) and checkpoint_problem(newest) is None
+    state = read_checkpoint_state(newest)
+    for agent in ("a", "b"):
+        for name in ("model/model.safetensors", "model/config.json", "trainer_state.pt"):
+            assert f"agents/{agent}/{name}" in state["manifest"]
+    assert state["sizes"].keys() == state["manifest"].keys()
+    on_disk = {p.relative_to(tmp_path / "store/run/checkpoints/step-000004").as_posix()
+               for p in (tmp_path / "store/run/checkpoints/step-000004").rglob("*") if p.is_file()}
+    assert on_disk == set(state["manifest"]) | {"coordinator.json"}
+    assert sorted(p.name for p in (tmp_path / "store/run/checkpoints").iterdir()) == ["step-000003", "step-000004"]
+    assert list(node_tmp.iterdir()) == []  # every staging directory was removed
+
+
+def test_damage_in_storage_is_found_and_resume_falls_back(tmp_path, node_tmp, reference, capfd):
+    store = tmp_path / "store"
+    run_dir = tmp_path / "run"
+    with Coordinator(validate_config(raw_config(steps=3, storage=f"file://{store}", keep_checkpoints=3)), run_dir) as coord:
+        coord.run()
+    checkpoints = store / "run" / "checkpoints"
+    # same size, other bytes: only the checksum on the trainer's node can tell
+    weights = checkpoints / "step-000003" / "agents" / "b" / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    # cut short: the coordinator sees it by its size, without reading it
+    state = checkpoints / "step-000002" / "agents" / "a" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    assert "agents/a/trainer_state.pt does not match its checksum" in checkpoint_problem(Location(f"file://{checkpoints}/step-000002"))
+    capfd.readouterr()
+    with Coordinator.resume(run_dir, ["train.steps=4"]) as coord:
+        assert coord.state.step == 1
+        coord.run()
+    err = capfd.readouterr().err
+    assert ("checkpoint step-000003 is damaged (agents/b/model/model.safetensors does not match its checksum); "
+            "falling back to step-000002") in err
+    assert "checkpoint step-000002 is damaged (agents/a/trainer_state.pt does not match its checksum (it is 100 bytes" in err
+    assert without_times(rows(run_dir)) == reference
+    assert list(node_tmp.iterdir()) == []
+
+
+def test_what_failed_checkpoints_left_is_removed_at_the_next_commit(tmp_path, node_tmp):
+    store = tmp_path / "store"
+    run_dir = tmp_path / "run"
+    with Coordinator(validate_config(raw_config(steps=1, storage=str(store))), run_dir) as coord:  # a plain path
+        coord.run()
+        root = store / "run" / "checkpoints"
+        (root / "step-000007" / "agents" / "a").mkdir(parents=True)  # an upload cut off: never committed
+        (root / "step-000007" / "agents" / "a" / "trainer_state.pt").write_bytes(b"partial")
+        stale = node_tmp / f"{storage.STAGING_PREFIX}999999999-x"  # a trainer killed mid-upload (no such pid)
+        (stale / "model").mkdir(parents=True)
+        assert [c.name for c in coord.log.checkpoints()] == ["step-000000", "step-000001"]
+        coord.checkpoint(step=2)
+        assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002"]
+        assert list(node_tmp.iterdir()) == []
+
+
+def test_a_new_run_refuses_a_place_in_storage_that_holds_checkpoints(tmp_path):
+    store = f"file://{tmp_path}/store"
+    with Coordinator(validate_config(raw_config(steps=1, storage=store)), tmp_path / "one" / "run") as coord:
+        coord.run()
+    with pytest.raises(RunDirError, match=rf"train.storage: {store}/run/checkpoints already holds checkpoints of a run "
+                                          r"named run; give a new --run-dir"):
+        Coordinator(validate_config(raw_config(steps=1, storage=store)), tmp_path / "two" / "run").start()
+    assert not (tmp_path / "two" / "run").exists()
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["run"]
+
+
+def test_a_resume_keeps_its_storage(tmp_path):
+    run_dir = tmp_path / "run"
+    raw = raw_config(steps=1, storage=f"file://{tmp_path}/store")
+    with Coordinator(validate_config(raw), run_dir) as coord:
+        coord.run()
+    moved = validate_config({**raw, "train": {**raw["train"], "storage": f"file://{tmp_path}/elsewhere"}})
+    with pytest.raises(ResumeError, match=r"train.storage='file://.*/elsewhere': a resumed run keeps its checkpoint storage"):
+        check_resume(moved, validate_config(raw), RunLog(run_dir))
+
+
+@pytest.mark.parametrize("value, message", [
+    ("ftp://host/x", "train.storage: scheme 'ftp' of 'ftp://host/x' is not supported"),
+    ("file://relative/x", "train.storage: 'file://relative/x' is not an absolute file URI; write file:///absolute/path"),
+    ("s3://", "train.storage: 's3://' names no bucket or host; write s3://bucket/prefix"),
+    ("", "train.storage: empty"),
+])
+def test_storage_values_are_checked(value, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_config(raw_config(storage=value))
+
+
+def test_a_storage_path_is_made_absolute_against_the_config_file(tmp_path):
+    source = tmp_path / "configs" / "run.yaml"
+    assert validate_config(raw_config(storage="../ckpt"), source=source).train.storage == str(tmp_path / "ckpt")
+    assert validate_config(raw_config(storage="s3://bucket/runs")).train.storage == "s3://bucket/runs"
+
+
+def test_locations_behave_like_paths_where_the_coordinator_needs_them():
+    loc = Location.parse("s3://bucket/prefix/") / "run" / "checkpoints" / "step-000003"
+    assert str(loc) == "s3://bucket/prefix/run/checkpoints/step-000003"
+    assert loc.name == "step-000003" and loc.parent.name == "checkpoints"
+    assert json.loads(json.dumps({"at": str(loc)}))["at"].startswith("s3://")
+
+
+def test_unusable_storage_is_one_line_before_any_trainer_starts(tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    raw = raw_config(steps=1, storage=f"file://{tmp_path}/a-file/store")
+    with pytest.raises(storage.StorageError, match=rf"train.storage file://{tmp_path}/a-file/store: cannot use "
+                                                   rf"file://{tmp_path}/a-file/store/run/checkpoints \(.*\); check the URI"):
+        Coordinator(validate_config(raw), tmp_path / "run").start()
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["run directory", "storage"])
+def test_a_checkpoint_is_not_committed_without_every_reported_file(tmp_path, where):
+    log = RunLog(tmp_path / "run", storage=None if where == "run directory" else f"file://{tmp_path}/store")
+    staging = log.staging_path(4)
+    report = {"agents/b/trainer_state.pt": ("0" * 64, 12345)}
+    with pytest.raises(storage.StorageError, match=r"checkpoint step-000004: agents/b/trainer_state.pt, which its trainer "
+                                                   r"reported writing \(12345 bytes\), is not there as this coordinator sees"):
+        log.commit_checkpoint(staging, 4, {"step": 4, "episodes": 0, "data": {}, "baselines": {}}, keep=2, files=report)
+    assert log.checkpoints() == []
+
+
+def test_a_run_that_fails_to_start_leaves_nothing_in_storage(tmp_path):
+    raw = raw_config(steps=1, storage=f"file://{tmp_path}/store")
+    raw["agents"]["a"]["generation"]["max_prompt_length"] = 1020  # beyond the model's context: a trainer cannot start
+    raw["agents"]["a"]["generation"]["max_completion_length"] = 8
+    with pytest.raises(Exception, match="exceed the model's context"):
+        Coordinator(validate_config(raw), tmp_path / "run").start()
+    assert not (tmp_path / "run").exists() and list((tmp_path / "store").iterdir()) == []
