@@ -32,7 +32,6 @@ from orchestrator.runlog import (
 from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
 from protocols.config import ConfigError, RunConfig, load_config
 from protocols.errors import UserError
-from protocols.imports import import_object
 from protocols.messages import (
     Completion, Experience, GenerateRequest, Prompt, UpdateRequest, UpdateResult, check_experiences,
 )
