@@ -1,17 +1,19 @@
-"""A set of named trainers behind one call interface; `LocalTrainers` runs them in this process."""
+"""A set of named trainers behind one call interface; `LocalTrainers` runs them in this process.
+
+The coordinator imports this module: torch and the trainer load only where trainers run."""
 
 from __future__ import annotations
 
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
-from agent_trainer.trainer import AgentTrainer
 from protocols.config import RunConfig
 from protocols.errors import UserError, describe
+
+if TYPE_CHECKING:
+    from agent_trainer.trainer import AgentTrainer
 
 
 class TrainerStartError(UserError, RuntimeError):
@@ -42,8 +44,18 @@ def placement_problem(config: RunConfig, cpus: float, gpus: float, where: str) -
 def local_resources(config: RunConfig) -> tuple[float, float]:
     """CPUs and GPUs of the local Ray cluster `marsi run` would start."""
     cpus = config.ray.num_cpus if config.ray.num_cpus is not None else float(os.cpu_count() or 1)
-    gpus = config.ray.num_gpus if config.ray.num_gpus is not None else float(torch.cuda.device_count())
+    gpus = config.ray.num_gpus if config.ray.num_gpus is not None else float(visible_gpus())
     return cpus, gpus
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, counted as Ray counts them without importing torch:
+    CUDA_VISIBLE_DEVICES when set, else the devices the driver lists under /proc/driver/nvidia/gpus."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
 def num_threads(num_cpus: float) -> int:
@@ -80,6 +92,8 @@ def start_trainer(name: str, config: RunConfig, index: int, total_updates: int,
     problem = missing_model_path(name, config, where)
     if problem:
         raise TrainerStartError(problem)
+    from agent_trainer.trainer import AgentTrainer
+
     try:
         return AgentTrainer(name, config.agents[name], config.algorithm, seed=config.train.seed + index,
                             total_updates=total_updates, trainable=name not in config.schedule.frozen)
@@ -91,17 +105,20 @@ class LocalTrainers:
     """Trainers as plain objects in this process; calls run one after another."""
 
     def __init__(self, config: RunConfig, updates: dict[str, int]):
+        import torch
+
+        self.set_threads = torch.set_num_threads
         self.trainers = {}
         self.threads = {name: num_threads(agent.resources.num_cpus) for name, agent in config.agents.items()}
         for i, name in enumerate(config.agents):
-            torch.set_num_threads(self.threads[name])
+            self.set_threads(self.threads[name])
             self.trainers[name] = start_trainer(name, config, i, updates[name])
 
     def call(self, method: str | Callable, kwargs_by_agent: dict[str, dict[str, Any]],
              timeout: float | None = None) -> dict:
         results = {}
         for name, kwargs in kwargs_by_agent.items():
-            torch.set_num_threads(self.threads[name])
+            self.set_threads(self.threads[name])
             try:
                 results[name] = invoke(self.trainers[name], method, kwargs)
             except Exception as exc:

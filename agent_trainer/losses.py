@@ -2,16 +2,6 @@
 
 Shapes: B sequences, T completion tokens (padded), V vocabulary.
 
-- `group_relative_advantages` follows GRPO (Shao et al., 2024, "DeepSeekMath"): reward minus the
-  mean of its group, divided by the group's std when `scale` (GRPO) or not (Dr. GRPO, Liu et al.,
-  2025). Departures: groups are given by arbitrary integer ids, so groups may differ in size
-  (episodes that ended early, per-(agent, turn) groups); the std is the population std (ddof=0),
-  so a group of one gets advantage 0 instead of NaN; `eps` guards a zero std.
-- `ema_advantages` is the moving-average baseline of SPIRAL's role-conditioned advantage estimation
-  (Liu et al., 2025): advantage = return - b, b starting at 0. Departure: SPIRAL folds each game's
-  return into b before scoring the next; here a batch's n returns are all scored against b from
-  before the batch, then b <- decay**n * b + (1 - decay**n) * mean(returns): the weight n sequential
-  updates leave on the old b, the batch's returns weighted equally, so episode order never matters.
 - `clipped_policy_loss` is PPO's clipped surrogate per token (Schulman et al., 2017) with one scalar
   advantage per sequence, as GRPO. When the old log-probs are the detached current ones (one pass
   over the batch), the ratio is 1 and the gradient equals REINFORCE with the advantage.
@@ -43,37 +33,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     if dim is None:
         return (values * mask).sum() / mask.sum().clamp(min=1.0)
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
-
-
-def group_relative_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, scale: bool = True,
-                              eps: float = 1e-4) -> torch.Tensor:
-    """(B,) advantages: reward minus its group's mean, divided by the group's std when `scale`."""
-    _, inverse = torch.unique(group_ids, return_inverse=True)  # (B,)
-    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    count = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, inverse, torch.ones_like(rewards))
-    mean = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, inverse, rewards) / count  # (G,)
-    centred = rewards - mean[inverse]  # (B,)
-    if not scale:
-        return centred
-    var = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, inverse, centred**2) / count
-    return centred / (var.sqrt()[inverse] + eps)
-
-
-def ema_advantages(baseline: float, returns: list[float], decay: float) -> tuple[list[float], float]:
-    """Advantages of a batch of `returns` against `baseline`, and the baseline with the batch folded in."""
-    if not returns:
-        return [], baseline
-    kept = decay ** len(returns)
-    return [r - baseline for r in returns], kept * baseline + (1.0 - kept) * sum(returns) / len(returns)
-
-
-def discounted_returns(rewards: list[float], discount: float) -> list[float]:
-    """Return per turn: G_t = r_t + discount * G_{t+1}."""
-    out, running = [0.0] * len(rewards), 0.0
-    for t in reversed(range(len(rewards))):
-        running = rewards[t] + discount * running
-        out[t] = running
-    return out
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -57,8 +57,9 @@ from protocols.messages import (
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
 
-FROZEN_MARKER = "frozen.json"
-"""A frozen agent's checkpoint: the source of its weights instead of a copy of them."""
+SOURCE_MARKER = "source.json"
+"""In a checkpoint of an agent whose weights are still its model's (no update yet: every step-0 checkpoint, and a
+frozen agent's at every step): where the weights come from, instead of a copy of them."""
 
 
 def pick_device(num_gpus: float) -> torch.device:
@@ -281,13 +282,18 @@ class AgentTrainer:
 
     # ---------------------------------------------------------------------------------- save/load
     def save(self, path: str | Path) -> CheckpointInfo:
-        """Weights in HF format under `path/model`; optimizer, loss scale, update count and RNGs in
-        `path/trainer_state.pt`. A frozen agent whose weights are its source's writes only where they come from."""
+        """Weights (the fp32 master weights of a trainable agent) in HF format under `path/model`; optimizer,
+        loss scale, update count and RNGs in `path/trainer_state.pt`. While the weights are still the
+        agent's model's (no update yet), `path/source.json` names that model instead of a copy of its weights;
+        a frozen agent writes nothing else."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        if not self.trainable and not self.from_checkpoint:
-            (path / FROZEN_MARKER).write_text(json.dumps(
+        if self._weights_are_source():
+            (path / SOURCE_MARKER).write_text(json.dumps(
                 {"model": self.agent.model, "fingerprint": source_fingerprint(self.agent.model)}))
+            if not self.trainable:
+                return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
+            self._save_state(path)
             return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
         bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
         if bad:
@@ -295,27 +301,40 @@ class AgentTrainer:
                              "refusing to write a checkpoint from them; the last good checkpoint stays the newest")
         self.model.save_pretrained(path / "model")
         self.tokenizer.save_pretrained(path / "model")
+        self._save_state(path)
+        return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
+
+    def _weights_are_source(self) -> bool:
+        """Whether the weights are still exactly those loaded from `agent.model`."""
+        return self.step == 0 and not self.from_checkpoint
+
+    def _save_state(self, path: Path) -> None:
         torch.save({
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
             "scaler": self.scaler.state_dict() if self.optimizer else None, "step": self.step,
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         }, path / "trainer_state.pt")
-        return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
 
     def load(self, path: str | Path) -> CheckpointInfo:
         path = Path(path)
-        marker = path / FROZEN_MARKER
-        if marker.exists():  # saved frozen: the weights are agent.model's, loaded at start
+        marker = path / SOURCE_MARKER
+        if marker.exists():  # the weights are agent.model's
             saved = json.loads(marker.read_text())
             if saved["model"] != self.agent.model or saved["fingerprint"] != source_fingerprint(self.agent.model):
                 raise ValueError(
-                    f"agent {self.name!r} is frozen and its checkpoint {path} refers to {saved['model']!r}, which "
-                    f"has changed since (now {self.agent.model!r}); restore those weights or start a new run")
-            return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
-        self.model = AutoModelForCausalLM.from_pretrained(path / "model", dtype=self.model.dtype).to(self.device).eval()
-        self.from_checkpoint = True
-        self.engine.sync(self.model)  # the engine samples from the restored weights
+                    f"agent {self.name!r}: checkpoint {path} refers to the weights of {saved['model']!r}, which "
+                    f"have changed since (now {self.agent.model!r}); restore that model or start a new run")
+            if not self._weights_are_source():  # trained since it started: back to the model's weights
+                self._set_weights(load_model(self.agent.model, tokenizer=self.agent.tokenizer, device=self.device,
+                                             dtype=str(self.model.dtype).removeprefix("torch."))[0])
+                self.from_checkpoint = False
+            if not (path / "trainer_state.pt").exists():  # a frozen agent's: nothing else was saved
+                self.step = 0
+                return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
+        else:
+            self._set_weights(AutoModelForCausalLM.from_pretrained(path / "model", dtype=self.model.dtype))
+            self.from_checkpoint = True
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.step = state["step"]
         if self.trainable:
@@ -330,6 +349,11 @@ class AgentTrainer:
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
+
+    def _set_weights(self, model) -> None:
+        """Make `model` the policy, on this trainer's device, and put its weights into the rollout engine."""
+        self.model = model.to(self.device).eval()
+        self.engine.sync(self.model)
 
     def parameters_digest(self) -> str:
         """SHA-256 of every parameter's bytes: equal digests mean equal weights."""

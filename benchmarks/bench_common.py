@@ -32,8 +32,19 @@ VERBS = ("Repeat", "Say", "Write", "Type", "Print", "Spell", "Show", "Echo")
 
 
 # ------------------------------------------------------------------------------------------ task
-def role_prompt(role_index: int, target: str) -> str:
-    return f"Letter: {target}\n{VERBS[role_index]} the letter:"
+PREAMBLE = ("You are one member of a team. Each member is told the same letter and answers on its own; the team "
+            "scores when every member answers with that letter first. ")
+
+
+def preamble(tokens: int) -> str:
+    """A fixed instruction of about `tokens` SmolLM2 tokens (about 4 characters each), put before the
+    task's two lines so that prompts have realistic lengths; empty for 0."""
+    text = (PREAMBLE * (1 + tokens * 4 // len(PREAMBLE)))[:tokens * 4]
+    return text[:text.rfind(" ") + 1] + "\n" if tokens else ""
+
+
+def role_prompt(role_index: int, target: str, prompt_tokens: int = 0) -> str:
+    return f"{preamble(prompt_tokens)}Letter: {target}\n{VERBS[role_index]} the letter:"
 
 
 def team_reward(*completions: list[str], batch_items: list[dict[str, Any]]) -> list[float]:
@@ -51,16 +62,16 @@ class TeamEnv(Environment):
 
     max_turns = 1
 
-    def __init__(self, num_roles: int = 2, story: bool = False):
+    def __init__(self, num_roles: int = 2, story: bool = False, prompt_tokens: int = 0):
         self.possible_agents = [f"role{i}" for i in range(num_roles)]
-        self.story = story
+        self.story, self.prompt_tokens = story, prompt_tokens
 
     def reset(self, sample, seed=None):
         self.sample = sample
         if self.story:  # long answers, for generation-heavy steps (benchmarks/engines.py)
             return {r: f"Letter: {sample['target']}\nWrite a long story whose first word starts with the letter:"
                     for r in self.possible_agents}
-        return {r: role_prompt(i, sample["target"]) for i, r in enumerate(self.possible_agents)}
+        return {r: role_prompt(i, sample["target"], self.prompt_tokens) for i, r in enumerate(self.possible_agents)}
 
     def step(self, actions):
         self.reward = team_reward(*[[actions[r]] for r in self.possible_agents], batch_items=[self.sample])[0]
@@ -85,7 +96,8 @@ def marsi_config(*, num_agents: int = 2, model: str = "builtin:tiny", batch_size
                  tokens: int = 4, lr: float = 1e-3, steps: int = 10, ray: bool = True, seed: int = 0,
                  num_cpus: float = 1.0, ray_cpus: float | None = None, dataset_size: int | None = None,
                  micro_batch_size: int | None = None, engine: str = "hf", story: bool = False,
-                 vllm: dict[str, Any] | None = None) -> RunConfig:
+                 vllm: dict[str, Any] | None = None, prompt_tokens: int = 0, dtype: str = "float32",
+                 checkpoint_every: int = 0, run_dir: str | None = None) -> RunConfig:
     """The benchmark's marsi run: `num_agents` agents a0.. on roles role0.., trained simultaneously.
 
     Settings chosen to match CoMLRL's MAGRPO (see vs_comlrl.py): plain-text prompts, temperature 1,
@@ -96,6 +108,7 @@ def marsi_config(*, num_agents: int = 2, model: str = "builtin:tiny", batch_size
     agents = {
         f"a{i}": {
             "model": model,
+            "dtype": dtype,
             "micro_batch_size": micro_batch_size or batch_size * group,
             "generation": {"max_completion_length": tokens, "temperature": 1.0, "top_p": 1.0, "top_k": 50,
                            "use_chat_template": False},
@@ -108,7 +121,8 @@ def marsi_config(*, num_agents: int = 2, model: str = "builtin:tiny", batch_size
     }
     raw = {
         "agents": agents,
-        "environment": {"name": "bench_common:TeamEnv", "kwargs": {"num_roles": num_agents, "story": story}},
+        "environment": {"name": "bench_common:TeamEnv", "kwargs": {"num_roles": num_agents, "story": story,
+                                                                      "prompt_tokens": prompt_tokens}},
         "roles": {"assignment": {f"role{i}": f"a{i}" for i in range(num_agents)}},
         "data": {"factory": "bench_common:make_dataset", "shuffle": False,
                  "kwargs": {"n": dataset_size or steps * batch_size, "seed": seed}},
@@ -116,7 +130,8 @@ def marsi_config(*, num_agents: int = 2, model: str = "builtin:tiny", batch_size
         "algorithm": {"baseline": "group", "scale_rewards": True, "beta": 0.0,
                       "num_iterations": 1, "loss_aggregation": "sequence"},
         "train": {"steps": steps, "batch_size": batch_size, "num_generations": group, "seed": seed,
-                  "checkpoint_every": 0, "transcripts_per_step": 0, "progress": False},
+                  "checkpoint_every": checkpoint_every, "transcripts_per_step": 0, "progress": False,
+                  **({"run_dir": run_dir} if run_dir else {})},
         "ray": {"enabled": ray, "num_cpus": ray_cpus if ray_cpus is not None else num_agents * num_cpus},
     }
     return validate_config(raw, source="<benchmark>")

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import bench_common as bc  # noqa: E402
-from agent_trainer.losses import group_relative_advantages  # noqa: E402
 from agent_trainer.trainer import AgentTrainer  # noqa: E402
+from orchestrator.advantages import group_relative_advantages  # noqa: E402
 from orchestrator.coordinator import Coordinator  # noqa: E402
 from orchestrator.rollout import derive_seed  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
@@ -153,8 +153,7 @@ class PlainLoop:
             prompts = [bc.role_prompt(i, s["target"]) for s in samples]
             results.append(trainer.generate(GenerateRequest(prompts=prompts, seed=derive_seed(self.step, i))))
         rewards = bc.team_reward(*[[c.text for c in r.completions] for r in results], batch_items=samples)
-        advantages = group_relative_advantages(torch.tensor(rewards, dtype=torch.float64),
-                                               torch.arange(len(samples)) // G).tolist()
+        advantages = group_relative_advantages(rewards, [i // G for i in range(len(samples))])
         updates = []
         for trainer, result in zip(self.trainers, results):
             torch.set_num_threads(1)

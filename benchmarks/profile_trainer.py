@@ -39,12 +39,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--adamw", action="store_true")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="instruction tokens before each prompt")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = bc.marsi_config(num_agents=1, model=args.model, tokens=args.tokens, ray=False,
-                             micro_batch_size=args.batch, lr=1e-5)
+                             micro_batch_size=args.batch, lr=1e-5, dtype=args.dtype)
     trainer = AgentTrainer("a0", config.agents["a0"], config.algorithm, seed=0)
-    print(f"{args.model}: {args.batch} prompts x {args.tokens} new tokens, {args.threads} torch thread(s), "
+    print(f"{args.model}: {args.batch} prompts ({args.prompt_tokens}-token instruction) x {args.tokens} new tokens, "
+          f"{args.dtype}, {args.threads} torch thread(s), "
           f"median of {args.repeats}; {bc.load_line()}")
 
     spent = defaultdict(float)
@@ -70,7 +73,7 @@ def main() -> None:
     wrap(torch.Tensor, "backward", "update/backward")
     wrap(trainer.optimizer, "step", "update/optimizer.step")
 
-    prompts = [bc.role_prompt(0, bc.LETTERS[i % 4]) for i in range(args.batch)]
+    prompts = [bc.role_prompt(0, bc.LETTERS[i % 4], args.prompt_tokens) for i in range(args.batch)]
     rows = defaultdict(list)
     for r in range(args.repeats + 1):
         spent.clear()

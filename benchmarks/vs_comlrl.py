@@ -175,7 +175,8 @@ class ComlrlRunner:
     padding after an EOS; it samples in one process, agents one after the other.
     """
 
-    def __init__(self, path: str, *, batch: int, group: int, tokens: int, lr: float, seed: int):
+    def __init__(self, path: str, *, batch: int, group: int, tokens: int, lr: float, seed: int,
+                 prompt_tokens: int = 0):
         from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
         from datasets import Dataset
 
@@ -205,7 +206,7 @@ class ComlrlRunner:
             reference_kl_enabled=False,
             logging_steps=1,
         )
-        formatters = [lambda item, i=i: bc.role_prompt(i, item["target"]) for i in range(2)]
+        formatters = [lambda item, i=i: bc.role_prompt(i, item["target"], prompt_tokens) for i in range(2)]
         self.trainer = MAGRPOTrainer(
             agent_model=path, num_agents=2, reward_func=self._reward, formatters=formatters,
             train_dataset=Dataset.from_list([{"target": "a"}]), args=args, wandb_config=None,

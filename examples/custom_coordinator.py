@@ -13,9 +13,7 @@ import random
 import sys
 from pathlib import Path
 
-import torch
-
-from agent_trainer.losses import group_relative_advantages
+from orchestrator.advantages import group_relative_advantages
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import make_run_dir
 from protocols.config import load_config
@@ -35,12 +33,12 @@ with coord:
         targets = [rng.choice("abcd") for _ in range(SAMPLES) for _ in range(GROUP)]
         said = coord.generate({"alice": [f"Say {t}" for t in targets]}, seed=2 * step)["alice"]  # turn 1
         heard = coord.generate({"bob": [f"Say {c.text[:1]}" for c in said]}, seed=2 * step + 1)["bob"]  # turn 2
-        rewards = torch.tensor([0.5 * (a.text[:1] == t) + 0.5 * (b.text[:1] == t)
-                                for a, b, t in zip(said, heard, targets)])
-        advantages = group_relative_advantages(rewards, torch.arange(len(targets)) // GROUP).tolist()
+        rewards = [0.5 * (a.text[:1] == t) + 0.5 * (b.text[:1] == t) for a, b, t in zip(said, heard, targets)]
+        advantages = group_relative_advantages(rewards, [i // GROUP for i in range(len(targets))])
         agent, completions = ("alice", said) if step % 2 == 0 else ("bob", heard)
         result = coord.train({agent: [Experience.from_completion(c, a) for c, a in zip(completions, advantages)]})
-        coord.loop_state["reward_ema"] = 0.9 * coord.loop_state.get("reward_ema", 0.0) + 0.1 * rewards.mean().item()
-        print(f"step {step:3d}  reward {rewards.mean():.3f}  trained {agent}  loss {result[agent].loss:+.4f}")
+        mean_reward = sum(rewards) / len(rewards)
+        coord.loop_state["reward_ema"] = 0.9 * coord.loop_state.get("reward_ema", 0.0) + 0.1 * mean_reward
+        print(f"step {step:3d}  reward {mean_reward:.3f}  trained {agent}  loss {result[agent].loss:+.4f}")
         coord.checkpoint(step=step + 1)
     print("run dir:", coord.log.dir, " reward_ema:", round(coord.loop_state.get("reward_ema", 0.0), 4))

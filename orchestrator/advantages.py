@@ -1,4 +1,5 @@
-"""Returns and advantages per (episode, turn, role), turned into each agent's experiences.
+"""Returns and advantages per (episode, turn, role), turned into each agent's experiences: plain Python,
+cheap, on the coordinator (which imports no torch).
 
 Group baselines (GRPO) compare like with like: by default an action is compared only with the actions
 of the same agent, in the same role, at the same turn, in the episodes played from the same sample
@@ -6,18 +7,26 @@ of the same agent, in the same role, at the same turn, in the episodes played fr
 (discount < 1, rewards paid on one turn), is otherwise scored against itself. `algorithm.group_by`
 names the wider pools.
 
-EMA baselines (SPIRAL's role-conditioned advantage estimation) are kept per (agent, role), start at 0
-as SPIRAL's do, and treat a batch as a set: every return of the batch is measured against the baseline
-from before the batch, and the batch then moves the baseline by as much as folding its returns in one
-by one would, with each return weighted equally. SPIRAL folds games in one at a time, so there a
-game's advantage depends on the games before it in the batch; here it does not.
+- `group_relative_advantages` follows GRPO (Shao et al., 2024, "DeepSeekMath"): reward minus the
+  mean of its group, divided by the group's std when `scale` (GRPO) or not (Dr. GRPO, Liu et al.,
+  2025). Departures: groups are given by arbitrary hashable ids, so groups may differ in size
+  (episodes that ended early, per-(agent, role, turn) groups); the std is the population std (ddof=0),
+  so a group of one gets advantage 0 instead of NaN; `eps` guards a zero std.
+- `ema_advantages` is the moving-average baseline of SPIRAL's role-conditioned advantage estimation
+  (Liu et al., 2025), kept per (agent, role) and starting at 0 as SPIRAL's does. Departure: SPIRAL
+  folds each game's return into b before scoring the next, so there a game's advantage depends on the
+  games before it in the batch; here a batch's n returns are all scored against b from before the
+  batch, then b <- decay**n * b + (1 - decay**n) * mean(returns): the weight n sequential updates leave
+  on the old b, the batch's returns weighted equally, so episode order never matters.
+- `discounted_returns`: G_t = r_t + discount * G_{t+1}, per role over an episode's turns.
 """
 
 from __future__ import annotations
 
-import torch
+import math
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
 
-from agent_trainer.losses import discounted_returns, ema_advantages, group_relative_advantages
 from orchestrator.rollout import Episode
 from protocols.config import AlgorithmConfig
 from protocols.messages import Experience
@@ -49,10 +58,7 @@ def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
     if not actions:
         return {}
     if algorithm.baseline == "group":
-        ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-        advantages = group_relative_advantages(torch.tensor(returns, dtype=torch.float64),
-                                               torch.tensor([ids[k] for k in keys]),
-                                               scale=algorithm.scale_rewards).tolist()
+        advantages = group_relative_advantages(returns, keys, scale=algorithm.scale_rewards)
     else:
         advantages = [0.0] * len(actions)
         seats = [(a.agent, a.role) for a in actions]
@@ -65,4 +71,35 @@ def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
     out: dict[str, list[Experience]] = {}
     for action, advantage in zip(actions, advantages):
         out.setdefault(action.agent, []).append(Experience.from_completion(action.completion, advantage))
+    return out
+
+
+def group_relative_advantages(rewards: Sequence[float], group_ids: Sequence[Hashable], scale: bool = True,
+                              eps: float = 1e-4) -> list[float]:
+    """Per reward: reward minus its group's mean, divided by the group's population std when `scale`."""
+    members: dict[Hashable, list[float]] = defaultdict(list)
+    for reward, group in zip(rewards, group_ids, strict=True):
+        members[group].append(float(reward))
+    mean = {g: sum(rs) / len(rs) for g, rs in members.items()}
+    centred = [float(r) - mean[g] for r, g in zip(rewards, group_ids)]
+    if not scale:
+        return centred
+    std = {g: math.sqrt(sum((r - mean[g]) ** 2 for r in rs) / len(rs)) for g, rs in members.items()}
+    return [c / (std[g] + eps) for c, g in zip(centred, group_ids)]
+
+
+def ema_advantages(baseline: float, returns: list[float], decay: float) -> tuple[list[float], float]:
+    """Advantages of a batch of `returns` against `baseline`, and the baseline with the batch folded in."""
+    if not returns:
+        return [], baseline
+    kept = decay ** len(returns)
+    return [r - baseline for r in returns], kept * baseline + (1.0 - kept) * sum(returns) / len(returns)
+
+
+def discounted_returns(rewards: list[float], discount: float) -> list[float]:
+    """Return per turn: G_t = r_t + discount * G_{t+1}."""
+    out, running = [0.0] * len(rewards), 0.0
+    for t in reversed(range(len(rewards))):
+        running = rewards[t] + discount * running
+        out[t] = running
     return out

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_trainer import storage
-from agent_trainer.group import LocalTrainers, TrainerFailure
-from agent_trainer.models import architecture_mismatch
+from agent_trainer.group import TrainerFailure
 from agent_trainer.storage import Location, StorageError
 from orchestrator import rollout
 from orchestrator.advantages import experiences_by_agent
@@ -122,6 +121,8 @@ class Coordinator:
             from agent_trainer.actor import RayTrainers
 
             return RayTrainers(config, updates)
+        from agent_trainer.group import LocalTrainers
+
         return LocalTrainers(config, updates)
 
     def _check_storage_reach(self) -> None:
@@ -480,6 +481,8 @@ def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
     if config.train.storage != stored.train.storage:
         raise ResumeError(f"train.storage={config.train.storage!r}: a resumed run keeps its checkpoint storage "
                           f"({stored.train.storage!r}); copy the checkpoints and start a new run to move them")
+    from agent_trainer.models import architecture_mismatch
+
     checkpoint = log.latest_checkpoint()
     for name, agent in config.agents.items():
         if agent.model == stored.agents[name].model:

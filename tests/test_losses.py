@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from agent_trainer import losses
+from orchestrator import advantages
 
 
 def test_masked_mean_ignores_masked_values():
@@ -16,28 +17,28 @@ def test_masked_mean_ignores_masked_values():
 
 
 def test_group_relative_advantages_by_hand():
-    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0])
-    groups = torch.tensor([7, 7, 3, 3, 5])
-    centred = losses.group_relative_advantages(rewards, groups, scale=False)
-    assert centred.tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0, 0.0])
-    scaled = losses.group_relative_advantages(rewards, groups, scale=True, eps=0.0 + 1e-4)
+    rewards = [1.0, 0.0, 0.5, 0.5, 2.0]
+    groups = [7, 7, 3, 3, (5, "any hashable")]
+    centred = advantages.group_relative_advantages(rewards, groups, scale=False)
+    assert centred == pytest.approx([0.5, -0.5, 0.0, 0.0, 0.0])
+    scaled = advantages.group_relative_advantages(rewards, groups, scale=True, eps=0.0 + 1e-4)
     # group 7: mean 0.5, population std 0.5 -> +-1; zero-std groups and singletons give 0
-    assert scaled.tolist() == pytest.approx([0.5 / 0.5001, -0.5 / 0.5001, 0.0, 0.0, 0.0], rel=1e-6)
+    assert scaled == pytest.approx([0.5 / 0.5001, -0.5 / 0.5001, 0.0, 0.0, 0.0], rel=1e-6)
 
 
 def test_discounted_returns_by_hand():
-    assert losses.discounted_returns([0.0, 0.0, 1.0], 0.5) == pytest.approx([0.25, 0.5, 1.0])
-    assert losses.discounted_returns([1.0, 2.0], 1.0) == pytest.approx([3.0, 2.0])
+    assert advantages.discounted_returns([0.0, 0.0, 1.0], 0.5) == pytest.approx([0.25, 0.5, 1.0])
+    assert advantages.discounted_returns([1.0, 2.0], 1.0) == pytest.approx([3.0, 2.0])
 
 
 def test_ema_baseline_by_hand():
-    adv, b = losses.ema_advantages(0.0, [1.0, 0.0], decay=0.5)
+    adv, b = advantages.ema_advantages(0.0, [1.0, 0.0], decay=0.5)
     assert adv == pytest.approx([1.0, 0.0])  # every return against the baseline from before the batch
     assert b == pytest.approx(0.25 * 0.0 + 0.75 * 0.5)  # decay**2 on the old baseline, the rest on the batch mean
-    adv, b2 = losses.ema_advantages(b, [1.0], decay=0.5)
+    adv, b2 = advantages.ema_advantages(b, [1.0], decay=0.5)
     assert adv == pytest.approx([1.0 - b]) and b2 == pytest.approx(0.5 * b + 0.5)
-    _, one_order = losses.ema_advantages(0.3, [2.0, -1.0, 0.5], 0.9)
-    _, other_order = losses.ema_advantages(0.3, [0.5, 2.0, -1.0], 0.9)
+    _, one_order = advantages.ema_advantages(0.3, [2.0, -1.0, 0.5], 0.9)
+    _, other_order = advantages.ema_advantages(0.3, [0.5, 2.0, -1.0], 0.9)
     assert one_order == pytest.approx(other_order)
 
 

@@ -315,7 +315,7 @@ def test_frozen_agents_weights_are_not_rewritten_at_each_checkpoint(tmp_path):
         digests = coord.parameters_digests()
     for step in ("step-000001", "step-000002"):
         files = sorted(p.name for p in (tmp_path / "run" / "checkpoints" / step / "agents" / "judge").rglob("*"))
-        assert files == ["frozen.json"]
+        assert files == ["source.json"]
         total = sum(p.stat().st_size for p in (tmp_path / "run" / "checkpoints" / step).rglob("*") if p.is_file())
         assert total < 3 * sum(p.stat().st_size for p in (tmp_path / "run" / "checkpoints" / step / "agents" / "a")
                                .rglob("*") if p.is_file()) / 2
@@ -330,7 +330,7 @@ def test_frozen_agent_refuses_a_changed_source(tmp_path):
     weights = Path(source) / "model.safetensors"
     weights.write_bytes(weights.read_bytes())  # rewritten since the checkpoint: maybe other weights
     fresh = AgentTrainer("judge", AgentConfig(model=source), AlgorithmConfig(), trainable=False)
-    with pytest.raises(ValueError, match="agent 'judge' is frozen.*changed since"):
+    with pytest.raises(ValueError, match="agent 'judge': checkpoint .* refers to the weights of .* changed since"):
         fresh.load(tmp_path / "ckpt")
 
 

@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from agent_trainer.losses import group_relative_advantages
 from agent_trainer.trainer import AgentTrainer
+from orchestrator.advantages import group_relative_advantages
 from protocols.config import AgentConfig, AlgorithmConfig
 from protocols.messages import Experience, GenerateRequest, UpdateRequest
 
@@ -112,13 +112,34 @@ def test_save_then_load_reproduces_logps_exactly(batch, tmp_path):
     assert fresh.parameters_digest() == trainer.parameters_digest()
 
 
-def test_saved_weights_load_with_plain_transformers(tmp_path):
+def test_saved_weights_load_with_plain_transformers(batch, tmp_path):
     from transformers import AutoModelForCausalLM
 
     trainer = make_trainer()
+    trainer.update(UpdateRequest(experiences=experiences(*batch)))
     trainer.save(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert torch.equal(model.model.embed_tokens.weight, trainer.model.model.embed_tokens.weight)
+
+
+def test_a_checkpoint_before_any_update_names_the_model_and_restores_exactly(batch, tmp_path):
+    """No update yet: the checkpoint holds the update count, optimizer and RNG state, and names the model
+    instead of copying its weights; loading it into a trainer that has trained since brings back the model's
+    weights, and the next update from there equals a fresh trainer's."""
+    exps = experiences(*batch)
+    trainer = make_trainer(lr=1e-2)
+    initial = trainer.parameters_digest()
+    trainer.save(tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["source.json", "trainer_state.pt"]
+    assert (tmp_path / "ckpt" / "trainer_state.pt").stat().st_size < 100_000
+    trainer.update(UpdateRequest(experiences=exps))
+    assert trainer.parameters_digest() != initial
+    assert trainer.load(tmp_path / "ckpt").step == 0
+    assert trainer.parameters_digest() == initial and trainer.per_token_logps(exps) == make_trainer().per_token_logps(exps)
+    fresh = make_trainer(lr=1e-2)
+    trainer.update(UpdateRequest(experiences=exps))
+    fresh.update(UpdateRequest(experiences=exps))
+    assert trainer.parameters_digest() == fresh.parameters_digest() and trainer.step == fresh.step == 1
 
 
 def test_plain_loop_learns_to_say_the_named_letter():
@@ -131,10 +152,10 @@ def test_plain_loop_learns_to_say_the_named_letter():
         targets = [rng.choice(letters) for _ in range(B)]
         prompts = [f"Say {t}" for t in targets for _ in range(G)]
         result = trainer.generate(GenerateRequest(prompts=prompts, seed=step))
-        rewards = torch.tensor([float(c.text[:1] == p[-1]) for c, p in zip(result.completions, prompts)])
-        advantages = group_relative_advantages(rewards, torch.arange(B * G) // G)
-        trainer.update(UpdateRequest(experiences=experiences(result, advantages.tolist())))
-        curve.append(rewards.mean().item())
+        rewards = [float(c.text[:1] == p[-1]) for c, p in zip(result.completions, prompts)]
+        advantages = group_relative_advantages(rewards, [i // G for i in range(B * G)])
+        trainer.update(UpdateRequest(experiences=experiences(result, advantages)))
+        curve.append(sum(rewards) / len(rewards))
     start, end = sum(curve[:10]) / 10, sum(curve[-10:]) / 10
     print("reward curve (mean per 10 steps):", [round(sum(curve[i:i + 10]) / 10, 2) for i in range(0, 100, 10)])
     assert start < 0.2 and end > 0.7

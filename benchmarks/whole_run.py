@@ -1,0 +1,187 @@
+"""A whole run as a user sees it, marsi against CoMLRL (MAGRPO), each in a fresh process of its own.
+
+    python benchmarks/whole_run.py [--model builtin:smollm2-135m-instruct] [--steps 4] [--batch 2] [--group 4]
+        [--tokens 32] [--prompt-tokens 40] [--dtype float32] [--engine hf] [--repeats 2] [--lr 1e-5]
+
+Both train two agents on the `bench_common` task (vs_comlrl.py's; `--prompt-tokens` puts a fixed
+instruction of about that many tokens before each prompt) with the same model files, samples, group,
+new tokens, learning rate and a budget of 2 CPU threads: marsi as `marsi run` would (Ray, one actor
+per agent with 1 thread, a checkpoint at step 0 and at the last step), CoMLRL in one process with 2
+threads. The contenders alternate, `--repeats` runs each, and each figure is the median over runs:
+
+  wall          seconds from starting the process to its exit
+  start-up      seconds from starting the process to the first step (imports, Ray, model loads, marsi's
+                step-0 checkpoint)
+  s/step        median seconds per training step
+  RSS, PSS      peak over the run of the summed resident / proportional set size of the process and all its
+                descendants (driver, Ray's processes, trainer actors), sampled every 0.2 s; PSS splits pages
+                shared between processes (libraries, Ray's object store), so it adds up to what the tree costs
+  ckpt MB       disk of each marsi checkpoint (step 0, last step); CoMLRL writes none in its loop
+
+`--dtype bfloat16` gives marsi's agents bf16 compute with fp32 master weights; CoMLRL stays fp32 (its
+MAGRPO trainer has no mixed precision). `--engine vllm` samples marsi's agents with vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2, help="samples per step")
+    parser.add_argument("--group", type=int, default=4, help="completions per sample")
+    parser.add_argument("--tokens", type=int, default=32, help="max new tokens")
+    parser.add_argument("--prompt-tokens", type=int, default=40, help="instruction tokens before each prompt")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="marsi's compute dtype")
+    parser.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="marsi's rollout engine")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per contender, alternating")
+    parser.add_argument("--only", choices=("marsi", "comlrl"), help="run one contender")
+    parser.add_argument("--child", choices=("marsi", "comlrl"), help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        report = run_marsi(args) if args.child == "marsi" else run_comlrl(args)
+        Path(args.out).write_text(json.dumps(report))
+        return
+
+    import bench_common as bc
+
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    print(f"$ {command}\nbefore: {bc.load_line()}", flush=True)
+    contenders = [args.only] if args.only else ["marsi", "comlrl"]
+    runs: dict[str, list[dict]] = {c: [] for c in contenders}
+    for r in range(args.repeats):
+        for name in contenders if r % 2 == 0 else contenders[::-1]:  # who goes first alternates
+            report = measure(name, args)
+            runs[name].append(report)
+            print(f"  run {r + 1} {name:6s}: wall {report['wall_s']:.1f} s, start-up {report['ready_s']:.1f} s, "
+                  f"s/step {statistics.median(report['step_s']):.2f}, peak RSS {report['rss_mb']:.0f} MB, "
+                  f"peak PSS {report['pss_mb']:.0f} MB", flush=True)
+    print(f"after: {bc.load_line()}\n")
+    table(runs, args)
+
+
+def measure(name: str, args) -> dict:
+    """Run one contender in a fresh process; its own report plus wall time and the tree's peak memory."""
+    with tempfile.TemporaryDirectory(prefix="marsi-whole-run-") as tmp:
+        out = Path(tmp) / "report.json"
+        argv = [sys.executable, __file__, "--child", name, "--out", str(out), "--model", args.model,
+                "--steps", str(args.steps), "--batch", str(args.batch), "--group", str(args.group),
+                "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens), "--lr", str(args.lr),
+                "--dtype", args.dtype, "--engine", args.engine]
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=tmp, env={**os.environ, "MARSI_BENCH_START": str(time.time())})
+        peak_rss = peak_pss = 0.0
+        while proc.poll() is None:
+            rss, pss = tree_memory_mb(proc.pid)
+            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+            time.sleep(0.2)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} run failed with exit status {proc.returncode}")
+        return {**json.loads(out.read_text()), "wall_s": wall, "rss_mb": peak_rss, "pss_mb": peak_pss}
+
+
+def tree_memory_mb(root: int) -> tuple[float, float]:
+    """Summed RSS and PSS (MB) of `root` and every descendant, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    rss = pss = 0.0
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith(("Rss:", "Pss:")):
+                    kb = int(line.split()[1]) / 1024
+                    rss, pss = (rss + kb, pss) if line.startswith("Rss:") else (rss, pss + kb)
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+    return rss, pss
+
+
+def _since_start() -> float:
+    return time.time() - float(os.environ["MARSI_BENCH_START"])
+
+
+def run_marsi(args) -> dict:
+    import bench_common as bc
+    from orchestrator.coordinator import Coordinator
+
+    config = bc.marsi_config(model=args.model, batch_size=args.batch, group=args.group, tokens=args.tokens,
+                             lr=args.lr, steps=args.steps, prompt_tokens=args.prompt_tokens, dtype=args.dtype,
+                             engine=args.engine, checkpoint_every=args.steps, num_cpus=1.0)
+    with Coordinator(config, run_dir=Path.cwd() / "run") as coord:
+        steps = coord.run()  # writes the step-0 checkpoint, then steps
+        first_step_start = steps[0]["time/end"] - steps[0]["time/step"]
+        checkpoints = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 2**20
+                       for p in coord.log.checkpoints()}
+    return {"ready_s": first_step_start - float(os.environ["MARSI_BENCH_START"]),
+            "step_s": [m["time/step"] for m in steps], "checkpoint_mb": checkpoints,
+            "reward": [m["reward/mean"] for m in steps]}
+
+
+def run_comlrl(args) -> dict:
+    import bench_common as bc
+    from agent_trainer.models import resolve_model_path
+    from vs_comlrl import ComlrlRunner
+
+    runner = ComlrlRunner(resolve_model_path(args.model), batch=args.batch, group=args.group, tokens=args.tokens,
+                          lr=args.lr, seed=0, prompt_tokens=args.prompt_tokens)
+    ready = _since_start()
+    rows = bc.task_rows(args.steps * args.batch, 0)
+    steps, rewards = [], []
+    for step in range(args.steps):
+        start = time.perf_counter()
+        rewards.extend(runner.train(rows[step * args.batch:(step + 1) * args.batch], threads=2))
+        steps.append(time.perf_counter() - start)
+    return {"ready_s": ready, "step_s": steps, "checkpoint_mb": {}, "reward": rewards}
+
+
+def table(runs: dict[str, list[dict]], args) -> None:
+    def med(name: str, key: str) -> float:
+        values = [statistics.median(r[key]) if isinstance(r[key], list) else r[key] for r in runs[name]]
+        return statistics.median(values)
+
+    print(f"{args.model}, 2 agents, {args.steps} steps of {args.batch} samples x {args.group}, {args.tokens} new "
+          f"tokens, prompts with a {args.prompt_tokens}-token instruction; marsi {args.dtype}, engine {args.engine}; "
+          f"medians over {args.repeats} runs")
+    keys = (("wall_s", "wall s"), ("ready_s", "start-up s"), ("step_s", "s/step"), ("rss_mb", "peak RSS MB"),
+            ("pss_mb", "peak PSS MB"))
+    print(f"{'contender':10s} " + " ".join(f"{label:>12s}" for _, label in keys))
+    for name in runs:
+        print(f"{name:10s} " + " ".join(f"{med(name, key):12.2f}" for key, _ in keys))
+    if len(runs) == 2:
+        print(f"{'marsi/CoMLRL':10s} " + " ".join(f"{med('marsi', key) / med('comlrl', key):12.3f}" for key, _ in keys))
+    if "marsi" in runs:
+        sizes = runs["marsi"][-1]["checkpoint_mb"]
+        print("marsi checkpoints: " + ", ".join(f"{name} {mb:.1f} MB" for name, mb in sizes.items()))
+
+
+if __name__ == "__main__":
+    main()
