@@ -175,8 +175,10 @@ class AgentTrainer:
         return result.model_copy(update={"seconds": time.perf_counter() - start, "sync_seconds": sync_seconds})
 
     def _learn(self, experiences: list[Experience]) -> UpdateResult:
-        """The optimizer steps of one update: `num_iterations` passes over the experiences in micro-batches."""
+        """The optimizer steps of one update: `num_iterations` passes over the experiences in micro-batches of
+        similar lengths (`by_length`)."""
         alg, mb = self.algorithm, self.agent.micro_batch_size
+        experiences = by_length(experiences)
         total_tokens = float(sum(len(e.completion_ids) for e in experiences))
         total_sequences = float(len(experiences))
         lr = self.agent.optimizer.lr * self._lr_factor(self.step)
@@ -404,6 +406,13 @@ class AgentTrainer:
         gen = self.agent.generation
         return sampling.sampling_logits(logits[:, :-1, :].float(), temperatures.view(-1, 1, 1), gen.top_k, gen.top_p,
                                         keep=completion_ids)
+
+
+def by_length(experiences: list[Experience]) -> list[Experience]:
+    """Experiences ordered by prompt length, then completion length: micro-batches of neighbours pad little
+    (prompts are left-padded, completions right-padded, each to the longest in its micro-batch). The loss
+    is a sum over experiences normalised by whole-batch counts, so the order changes only rounding."""
+    return sorted(experiences, key=lambda e: (len(e.prompt_ids), len(e.completion_ids)))
 
 
 def _seed_everything(seed: int) -> None:

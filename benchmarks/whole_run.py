@@ -90,18 +90,26 @@ def measure(name: str, args) -> dict:
         start = time.perf_counter()
         proc = subprocess.Popen(argv, cwd=tmp, env={**os.environ, "MARSI_BENCH_START": str(time.time())})
         peak_rss = peak_pss = 0.0
+        by_process: dict[str, list[float]] = {}
         while proc.poll() is None:
-            rss, pss = tree_memory_mb(proc.pid)
-            peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+            processes = tree_memory_mb(proc.pid)
+            rss, pss = sum(m[0] for m in processes.values()), sum(m[1] for m in processes.values())
+            peak_rss = max(peak_rss, rss)
+            if pss > peak_pss:
+                peak_pss, by_process = pss, {}
+                for (label, _), (r, p) in processes.items():
+                    total = by_process.setdefault(label, [0, 0.0, 0.0])
+                    total[0], total[1], total[2] = total[0] + 1, total[1] + r, total[2] + p
             time.sleep(0.2)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             raise SystemExit(f"{name} run failed with exit status {proc.returncode}")
-        return {**json.loads(out.read_text()), "wall_s": wall, "rss_mb": peak_rss, "pss_mb": peak_pss}
+        return {**json.loads(out.read_text()), "wall_s": wall, "rss_mb": peak_rss, "pss_mb": peak_pss,
+                "by_process": by_process}
 
 
-def tree_memory_mb(root: int) -> tuple[float, float]:
-    """Summed RSS and PSS (MB) of `root` and every descendant, from /proc (Linux)."""
+def tree_memory_mb(root: int) -> dict[tuple[str, int], tuple[float, float]]:
+    """RSS and PSS (MB) of `root` and every descendant, by (what the process is, pid), from /proc (Linux)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -110,19 +118,29 @@ def tree_memory_mb(root: int) -> tuple[float, float]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
-    rss = pss = 0.0
+    out = {}
     todo = [root]
     while todo:
         pid = todo.pop()
         todo.extend(children.get(pid, []))
         try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith(("Rss:", "Pss:")):
-                    kb = int(line.split()[1]) / 1024
-                    rss, pss = (rss + kb, pss) if line.startswith("Rss:") else (rss, pss + kb)
-        except OSError:  # ended meanwhile, or not ours to read
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):  # ended meanwhile, or not ours to read
             continue
-    return rss, pss
+        label = "driver" if pid == root else process_label(command)
+        out[(label, pid)] = (int(fields["Rss"].split()[0]) / 1024, int(fields["Pss"].split()[0]) / 1024)
+    return out
+
+
+RAY_PROCESSES = (("_TrainerActor", "trainer actor"), ("ray::IDLE", "Ray idle worker"), ("gcs_server", "Ray GCS"),
+                 ("raylet", "Ray raylet"), ("dashboard.py", "Ray dashboard head"), ("DashboardAgent", "Ray dashboard agent"),
+                 ("RuntimeEnvAgent", "Ray runtime-env agent"), ("log_monitor.py", "Ray log monitor"),
+                 ("monitor.py", "Ray autoscaler monitor"), ("reaper", "marsi reaper"))
+
+
+def process_label(command: str) -> str:
+    return next((label for key, label in RAY_PROCESSES if key in command), command.split(" ")[0].rsplit("/", 1)[-1])
 
 
 def _since_start() -> float:
@@ -178,6 +196,11 @@ def table(runs: dict[str, list[dict]], args) -> None:
         print(f"{name:10s} " + " ".join(f"{med(name, key):12.2f}" for key, _ in keys))
     if len(runs) == 2:
         print(f"{'marsi/CoMLRL':10s} " + " ".join(f"{med('marsi', key) / med('comlrl', key):12.3f}" for key, _ in keys))
+    for name in runs:
+        last = runs[name][-1]
+        print(f"{name}, last run, at its peak PSS: " + "; ".join(
+            f"{label} x{n}: RSS {r:.0f} MB, PSS {p:.0f} MB" for label, (n, r, p) in
+            sorted(last["by_process"].items(), key=lambda kv: -kv[1][2])))
     if "marsi" in runs:
         sizes = runs["marsi"][-1]["checkpoint_mb"]
         print("marsi checkpoints: " + ", ".join(f"{name} {mb:.1f} MB" for name, mb in sizes.items()))

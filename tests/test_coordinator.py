@@ -147,3 +147,15 @@ def test_placement_timeout_lists_asked_and_free_resources(ray_cluster):
                 pass
     finally:
         remove_placement_group(held)
+
+
+def test_the_coordinator_process_imports_no_torch_or_transformers():
+    """The driver holds no model: with Ray, torch and transformers load only in the trainer processes."""
+    import subprocess
+    import sys
+
+    code = ("import sys, orchestrator.cli, orchestrator.coordinator, orchestrator.evaluation, agent_trainer.actor; "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.stdout.strip() == "[]"

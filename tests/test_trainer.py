@@ -122,6 +122,22 @@ def test_saved_weights_load_with_plain_transformers(batch, tmp_path):
     assert torch.equal(model.model.embed_tokens.weight, trainer.model.model.embed_tokens.weight)
 
 
+def test_micro_batches_hold_neighbours_in_length_so_they_pad_less():
+    from agent_trainer.trainer import by_length
+
+    lengths = [(1, 9), (30, 2), (2, 8), (29, 3), (3, 7), (28, 1)]
+    exps = [Experience(prompt_ids=[5] * p, completion_ids=[6] * c, advantage=0.0) for p, c in lengths]
+
+    def padded_cells(rows, size=2):
+        chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
+        return sum(len(ch) * (max(len(e.prompt_ids) for e in ch) + max(len(e.completion_ids) for e in ch))
+                   for ch in chunks)
+
+    ordered = by_length(exps)
+    assert sorted(map(id, ordered)) == sorted(map(id, exps))
+    assert padded_cells(ordered) <= 158 < padded_cells(exps) == 222
+
+
 def test_a_checkpoint_before_any_update_names_the_model_and_restores_exactly(batch, tmp_path):
     """No update yet: the checkpoint holds the update count, optimizer and RNG state, and names the model
     instead of copying its weights; loading it into a trainer that has trained since brings back the model's
