@@ -62,8 +62,9 @@ class _TrainerActor:
     def __init__(self, name, config, index, total_updates, threads):
         import torch
 
-        from agent_trainer.group import TrainerStartError, start_trainer
+        from agent_trainer.group import TrainerStartError, return_freed_memory, start_trainer
 
+        return_freed_memory()
         torch.set_num_threads(threads)
         self.node = node_label(ray.get_runtime_context().get_node_id())
         self.trainer, self.error = None, None

@@ -58,6 +58,25 @@ def visible_gpus() -> int:
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
+def return_freed_memory() -> bool:
+    """Have this process's allocator (glibc) serve every block of 1 MiB or more by its own mapping, given back
+    to the system when freed. By default glibc raises that threshold as large blocks are freed, after which
+    the activations and gradients each update frees stay in the heap: a SmolLM2 trainer then held 3.1 GB
+    after two updates instead of 2.2 GB. Called in every process that holds trainers; False without glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return bool(libc and libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20))
+    except (OSError, AttributeError):
+        return False
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
 def num_threads(num_cpus: float) -> int:
     """torch threads for a trainer with `num_cpus` cores: one per whole core, at least one."""
     return max(1, math.floor(num_cpus))
@@ -108,6 +127,7 @@ class LocalTrainers:
         import torch
 
         self.set_threads = torch.set_num_threads
+        return_freed_memory()
         self.trainers = {}
         self.threads = {name: num_threads(agent.resources.num_cpus) for name, agent in config.agents.items()}
         for i, name in enumerate(config.agents):

@@ -175,3 +175,31 @@ def test_plain_loop_learns_to_say_the_named_letter():
     start, end = sum(curve[:10]) / 10, sum(curve[-10:]) / 10
     print("reward curve (mean per 10 steps):", [round(sum(curve[i:i + 10]) / 10, 2) for i in range(0, 100, 10)])
     assert start < 0.2 and end > 0.7
+
+
+def test_trainer_processes_give_freed_tensors_back_to_the_system():
+    """A block freed after glibc raised its mapping threshold stays in the heap (the process keeps it);
+    `return_freed_memory`, called in every trainer process, gives it back."""
+    import os
+    import subprocess
+    import sys
+
+    code = """if 1:
+        import os, sys
+        if sys.argv[1] == "on":
+            from agent_trainer.group import return_freed_memory
+            assert return_freed_memory()
+        import torch
+        def rss_mb():
+            status = dict(line.split(":", 1) for line in open(f"/proc/{os.getpid()}/status").read().splitlines())
+            return int(status["VmRSS"].split()[0]) // 1024
+        block = torch.ones(4 * 2**20); del block  # one freed 16 MB block: glibc raises its threshold past it
+        base = rss_mb()
+        blocks = [torch.ones(4 * 2**20) for _ in range(16)]  # 256 MB, as an update's activations
+        above = torch.ones(1024)  # allocated after them, so the heap cannot shrink from the top
+        del blocks
+        print(rss_mb() - base)
+    """
+    kept = {mode: int(subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout) for mode in ("off", "on")}
+    assert kept["on"] < 16 < 64 < kept["off"], kept
