@@ -1,0 +1,111 @@
+"""Data-parallel agents: K workers sample and update as one worker does, survive a killed worker, and resume on any K."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from agent_trainer import workers
+from agent_trainer.group import placement_problem
+from agent_trainer.trainer import AgentTrainer
+from orchestrator.coordinator import Coordinator
+from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, validate_config
+from protocols.messages import Experience, GenerateRequest, UpdateRequest
+from tests.envs import config
+from tests.runs import rows, without_times
+
+# (loss_aggregation, micro_batch_size, num_iterations): token and sequence normalisation, and micro-batches
+# smaller than a worker's share (7 rows: shares of 4 and 3, micro-batches of 2)
+VARIANTS = [("token", 16, 1), ("sequence", 16, 2), ("token", 2, 1)]
+REQUEST = GenerateRequest(prompts=["Say a", "Say bb", "Say c", "Say dddd", "Say e", "Say ff", "Say g"], seed=3)
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 0.3, 0.2, -0.1]
+
+
+def make_trainer(loss_aggregation="token", micro_batch_size=16, num_iterations=1):
+    """The tiny model with a KL term and a clipping threshold the gradient exceeds (clipping by the global norm)."""
+    agent = AgentConfig(model="builtin:tiny", micro_batch_size=micro_batch_size,
+                        generation={"max_completion_length": 4}, optimizer={"lr": 1e-3, "max_grad_norm": 0.05})
+    algorithm = AlgorithmConfig(loss_aggregation=loss_aggregation, num_iterations=num_iterations, beta=0.1)
+    return AgentTrainer("a", agent, algorithm, seed=0)
+
+
+def experiences(completions):
+    return [Experience(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, advantage=a,
+                       old_per_token_logps=c.per_token_logps) for c, a in zip(completions, ADVANTAGES)]
+
+
+def _worker(rank, ports, batch, results):
+    """Worker `rank` of 2, in its own process: join the group as a Ray worker does, generate its share of
+    REQUEST, then one update per variant on its share of `batch`."""
+    torch.set_num_threads(1)
+    trainer = make_trainer()
+    if rank == 0:
+        port = workers.host_store(trainer, host="127.0.0.1", world_size=2, timeout_s=120)
+        ports.put(port)
+    else:
+        port = ports.get(timeout=120)
+    workers.join(trainer, host="127.0.0.1", port=port, rank=rank, world_size=2, timeout_s=120)
+    completions = trainer.generate(REQUEST).completions
+    updates = []
+    for variant in VARIANTS:
+        learner = make_trainer(*variant)
+        learner.workers = workers.DataParallel(rank, 2, learner.device)
+        result = learner.update(UpdateRequest(experiences=batch))
+        updates.append(({n: p.detach().numpy().copy() for n, p in learner.model.named_parameters()}, result))
+    results.put((rank, completions, updates))
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    """What one worker and two workers (processes joined by gloo) generate and train from the same batch."""
+    torch.set_num_threads(1)
+    single = make_trainer().generate(REQUEST).completions
+    batch = experiences(single)
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(rank, ports, batch, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((rank, (completions, updates)) for rank, completions, updates in
+               (results.get(timeout=300) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    return single, batch, got
+
+
+def test_shares_are_contiguous_and_cover_every_row():
+    assert [workers.share(7, r, 2) for r in range(2)] == [(0, 4), (4, 7)]
+    assert [workers.share(2, r, 3) for r in range(3)] == [(0, 1), (1, 2), (2, 2)]
+
+
+def test_two_workers_sample_what_one_worker_samples(two_workers):
+    single, _, got = two_workers
+    shares = got[0][0] + got[1][0]
+    assert [c.completion_ids for c in shares] == [c.completion_ids for c in single]
+    for mine, theirs in zip(shares, single):
+        assert mine.per_token_logps == pytest.approx(theirs.per_token_logps, abs=1e-6)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["token", "sequence-2-passes", "token-micro-batches"])
+def test_two_workers_update_to_the_parameters_of_one(two_workers, variant):
+    _, batch, got = two_workers
+    torch.set_num_threads(1)
+    one = make_trainer(*variant)
+    result = one.update(UpdateRequest(experiences=batch))
+    i = VARIANTS.index(variant)
+    (params0, result0), (params1, result1) = got[0][1][i], got[1][1][i]
+    assert result.grad_norm > 0.05  # clipping is active: the workers clip by the global norm
+    initial = dict(make_trainer().model.named_parameters())
+    for name, p in one.model.named_parameters():
+        assert not torch.equal(p.detach(), initial[name]), name  # the update moved it
+        assert torch.allclose(torch.from_numpy(params0[name]), p.detach(), rtol=0, atol=1e-6), name
+        assert (params0[name] == params1[name]).all(), name  # the workers stay identical
+    for key in ("loss", "grad_norm", "kl", "entropy", "clip_fraction", "logp_mismatch", "logp_gap_max"):
+        assert getattr(result0, key) == pytest.approx(getattr(result, key), rel=1e-5, abs=1e-7), key
+    assert (result0.num_tokens, result0.num_sequences) == (result.num_tokens, result.num_sequences)
