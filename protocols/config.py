@@ -421,6 +421,11 @@ class RunConfig(_Strict):
                 raise ValueError(f"agents.{name}.resources.num_workers: {workers} workers are {workers} processes, "
                                  f"which need Ray, but ray.enabled is false (one process); set ray.enabled: true or "
                                  f"agents.{name}.resources.num_workers: 1")
+            if workers > 1 and 0 < agent.resources.num_gpus < 1:
+                raise ValueError(f"agents.{name}.resources.num_gpus: {agent.resources.num_gpus:g} per worker would let two "
+                                 f"of the {workers} workers of agent {name!r} share a GPU, which NCCL refuses; give each worker "
+                                 f"a whole GPU (agents.{name}.resources.num_gpus: 1) or set "
+                                 f"agents.{name}.resources.num_workers: 1")
             if workers > 1 and agent.rollout.engine == "vllm":
                 raise ValueError(f"agents.{name}.resources.num_workers: {workers} workers cannot sample with "
                                  f"agents.{name}.rollout.engine: vllm (a colocated vLLM engine takes its process's "

@@ -109,3 +109,85 @@ def test_two_workers_update_to_the_parameters_of_one(two_workers, variant):
     for key in ("loss", "grad_norm", "kl", "entropy", "clip_fraction", "logp_mismatch", "logp_gap_max"):
         assert getattr(result0, key) == pytest.approx(getattr(result, key), rel=1e-5, abs=1e-7), key
     assert (result0.num_tokens, result0.num_sequences) == (result.num_tokens, result.num_sequences)
+
+
+# ------------------------------------------------------------------------------------ through the coordinator
+STEPS = 4
+
+
+def raw_config(workers_a=1, ray=False, steps=STEPS):
+    raw = config(train={"steps": steps, "batch_size": 2, "num_generations": 3, "checkpoint_every": 1,
+                        "keep_checkpoints": 5}, ray=ray)
+    for agent in raw["agents"].values():
+        agent["resources"] = {"num_cpus": 0.25}
+    raw["agents"]["a"]["resources"]["num_workers"] = workers_a
+    return raw
+
+
+def assert_same_metrics(metrics, reference):
+    """Row by row the same keys and values; floats to 1e-5, or 1e-6 near 0 (the workers sum gradients in another
+    order, and a log-prob gap of 1e-7 is rounding)."""
+    assert [sorted(m) for m in metrics] == [sorted(r) for r in reference]
+    for m, r in zip(metrics, reference):
+        for key, value in r.items():
+            if isinstance(value, float):
+                assert m[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (m["step"], key)
+            else:
+                assert m[key] == value, (m["step"], key)
+
+
+@pytest.fixture(scope="module")
+def one_worker_each(tmp_path_factory):
+    """Metrics of the reference run: every agent on one worker, in-process, STEPS + 2 steps."""
+    run_dir = tmp_path_factory.mktemp("one-worker-each")
+    with Coordinator(validate_config(raw_config(steps=STEPS + 2)), run_dir) as coord:
+        coord.run()
+    return without_times(rows(run_dir))
+
+
+def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_one(ray_cluster, tmp_path,
+                                                                                   one_worker_each):
+    with Coordinator(validate_config(raw_config(workers_a=2, ray=True)), tmp_path) as coord:
+        group = coord.trainers.info()["a"]["workers"]
+        assert len({w["pid"] for w in group}) == 2
+        victim = group[1]["pid"]
+
+        def kill_mid_run():
+            while coord.state.step < 2:
+                time.sleep(0.01)
+            os.kill(victim, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_mid_run)
+        killer.start()
+        coord.run()
+        killer.join()
+        assert coord.restarts == 1
+        assert victim not in {w["pid"] for w in coord.trainers.info()["a"]["workers"]}
+    assert_same_metrics(without_times(rows(tmp_path)), one_worker_each[:STEPS])
+    # the 2-worker run's checkpoint resumes on one worker (in-process) and continues as the reference does
+    with Coordinator.resume(tmp_path, ["agents.a.resources.num_workers=1", "ray.enabled=false",
+                                       f"train.steps={STEPS + 2}"]) as coord:
+        coord.run()
+    assert_same_metrics(without_times(rows(tmp_path)), one_worker_each)
+
+
+def test_config_refuses_workers_without_ray_and_placement_counts_every_worker():
+    raw = raw_config(workers_a=2)
+    with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_workers: 2 workers are 2 processes, which need "
+                                          r"Ray, but ray\.enabled is false .*; set ray\.enabled: true or "
+                                          r"agents\.a\.resources\.num_workers: 1"):
+        validate_config(raw)
+    raw = raw_config(workers_a=2, ray=True)
+    raw["agents"]["a"]["rollout"] = {"engine": "vllm"}
+    with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_workers: 2 workers cannot sample with "
+                                          r"agents\.a\.rollout\.engine: vllm"):
+        validate_config(raw)
+    raw = raw_config(workers_a=2, ray=True)
+    raw["agents"]["a"]["resources"]["num_gpus"] = 0.5
+    with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_gpus: 0\.5 per worker would let two of the 2 "
+                                          r"workers of agent 'a' share a GPU, which NCCL refuses"):
+        validate_config(raw)
+    raw = raw_config(workers_a=4, ray=True)
+    assert placement_problem(validate_config(raw), 1.0, 0.0, "the Ray cluster") == (
+        "agents ask for 1.25 CPUs in all (a: 0.25 x 4 workers, b: 0.25) but the Ray cluster has 1; lower "
+        "agents.NAME.resources.num_cpus (fractions such as 0.5 share a core) or num_workers, or give the cluster more")
