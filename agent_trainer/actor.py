@@ -161,6 +161,8 @@ class RayTrainers:
                       call_timeout: float | None) -> None:
         """Join each multi-worker agent's actors into its process group: worker 0 opens the group's store
         on its node, then every worker joins at that address. Collectives time out after `call_timeout`."""
+        from agent_trainer.group import TrainerStartError
+
         groups = {name: group for name, group in self.workers.items() if len(group) > 1}
         if not groups:
             return
@@ -175,13 +177,12 @@ class RayTrainers:
         for ref, name in joined.items():
             try:
                 ray.get(ref, timeout=start_timeout)
-            except ray.exceptions.RayTaskError as exc:
-                from agent_trainer.group import TrainerStartError
-
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                reason = (describe(exc.cause or exc) if isinstance(exc, ray.exceptions.RayTaskError)
+                          else one_line(exc)[:200])
                 raise TrainerStartError(f"agent {name!r}: its {len(groups[name])} workers could not join one "
                                         f"process group at {hosts[name]}:{ports[list(groups).index(name)]} "
-                                        f"({describe(exc.cause or exc)}); check that the nodes reach each other "
-                                        "on that port") from None
+                                        f"({reason}); check that the nodes reach each other on that port") from None
 
     def call(self, method: str | Callable, kwargs_by_agent: dict[str, dict[str, Any]],
              timeout: float | None = None) -> dict:
