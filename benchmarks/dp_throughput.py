@@ -14,7 +14,9 @@ first contender, scored with alternating advantages):
 
 They update in turn, the order rotating every round; each figure is the median over rounds of the
 driver's wall time of one `update` call (so the 2-worker figure includes the gradient all-reduce and the
-object-store copy of the request), and of the trainer's own `seconds`.
+object-store copy of the request), and of the trainer's own `seconds`. Each round also times one gradient
+all-reduce of the whole model between the two workers alone (`all-reduce s`): what data parallelism adds
+to every pass of an update.
 """
 
 import argparse
@@ -27,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ray  # noqa: E402
+import torch  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 from agent_trainer.actor import RayTrainers, quiet_ray_startup  # noqa: E402
@@ -38,6 +41,18 @@ CONTENDERS = {  # agent name -> (num_workers, num_cpus per worker)
     "1 worker x 2 threads": (1, 2.0),
     "2 workers x 1 thread": (2, 1.0),
 }
+
+
+def allreduce_seconds(trainer) -> float:
+    """Seconds of one all-reduce of a whole-model gradient (zeros) among the agent's workers; run in each worker
+    (defined in __main__, so Ray ships it by value)."""
+    for p in trainer.model.parameters():
+        p.grad = torch.zeros_like(p)
+    start = time.perf_counter()
+    trainer.workers.reduce_gradients(trainer.model.parameters(), True)
+    seconds = time.perf_counter() - start
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return seconds
 
 
 def main() -> None:
@@ -76,6 +91,7 @@ def main() -> None:
         trainers.call("update", {name: request for name in agents})  # warm-up: first-call allocations
         wall = {label: [] for label in CONTENDERS}
         inside = {label: [] for label in CONTENDERS}
+        allreduce = []
         labels = list(CONTENDERS)
         for r in range(args.repeats):
             for label in labels[r % len(labels):] + labels[:r % len(labels)]:  # who goes first rotates
@@ -83,6 +99,8 @@ def main() -> None:
                 result = trainers.call("update", {names[label]: request})[names[label]]
                 wall[label].append(time.perf_counter() - start)
                 inside[label].append(result.seconds)
+            pair = names["2 workers x 1 thread"]
+            allreduce.append(trainers.call(allreduce_seconds, {pair: {}})[pair])
     finally:
         trainers.close()
         ray.shutdown()
@@ -94,6 +112,7 @@ def main() -> None:
         seconds = bc.median(wall[label])
         print(f"{label:22s} {seconds:9.3f} {tokens / seconds:9.1f} {bc.median(inside[label]):10.3f} "
               f"{base / seconds:6.2f}x")
+    print(f"gradient all-reduce between the 2 workers (whole model, float32): {bc.median(allreduce):.3f} s")
     print("after: ", bc.load_line())
 
 
