@@ -49,3 +49,12 @@ def worker(rank, ports, batch, results):
         result = learner.update(UpdateRequest(experiences=batch))
         updates.append(({n: p.detach().numpy().copy() for n, p in learner.model.named_parameters()}, result))
     results.put((rank, completions, updates))
+
+
+def die_in_a_collective(trainer) -> None:
+    """Worker 1 exits at once; worker 0 meanwhile waits in a gradient all-reduce, which its death fails."""
+    import os
+
+    if trainer.workers.rank == 1:
+        os._exit(1)
+    trainer.workers.reduce_gradients(trainer.model.parameters(), True)

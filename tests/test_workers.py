@@ -12,11 +12,11 @@ import torch
 import torch.multiprocessing as mp
 
 from agent_trainer import workers
-from agent_trainer.group import placement_problem
+from agent_trainer.group import TrainerFailure, placement_problem
 from orchestrator.coordinator import Coordinator
 from protocols.config import ConfigError, validate_config
 from protocols.messages import UpdateRequest
-from tests.dp_workers import REQUEST, VARIANTS, experiences, make_trainer, worker
+from tests.dp_workers import REQUEST, VARIANTS, die_in_a_collective, experiences, make_trainer, worker
 from tests.envs import config
 from tests.runs import rows, without_times
 
@@ -123,6 +123,11 @@ def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_on
         killer.join()
         assert coord.restarts == 1
         assert victim not in {w["pid"] for w in coord.trainers.info()["a"]["workers"]}
+        # a worker that dies while its peer waits in a collective: the peer's error is the death, not a bug
+        with pytest.raises(TrainerFailure, match=r"agent 'a': die_in_a_collective failed: worker 1 of 2: its process "
+                                                 r"died") as failure:
+            coord.trainers.call(die_in_a_collective, {"a": {}}, timeout=60)
+        assert failure.value.recoverable
     assert_same_metrics(without_times(rows(tmp_path)), one_worker_each[:STEPS])
     # the 2-worker run's checkpoint resumes on one worker (in-process) and continues as the reference does
     with Coordinator.resume(tmp_path, ["agents.a.resources.num_workers=1", "ray.enabled=false",
