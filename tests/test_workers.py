@@ -69,6 +69,8 @@ def test_two_workers_update_to_the_parameters_of_one(two_workers, variant):
     for key in ("loss", "grad_norm", "kl", "entropy", "clip_fraction", "logp_mismatch", "logp_gap_max"):
         assert getattr(result0, key) == pytest.approx(getattr(result, key), rel=1e-5, abs=1e-7), key
     assert (result0.num_tokens, result0.num_sequences) == (result.num_tokens, result.num_sequences)
+    untimed = {"seconds": 0.0, "sync_seconds": 0.0}
+    assert result1.model_copy(update=untimed) == result0.model_copy(update=untimed)  # both report the whole batch
 
 
 # ------------------------------------------------------------------------------------ through the coordinator
