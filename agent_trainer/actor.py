@@ -1,4 +1,8 @@
-"""The Ray wrapper: one actor per agent, placed by a placement group, each on its own GPU or CPU share."""
+"""The Ray wrapper: one actor per agent worker, placed by a placement group, each on its own GPU or CPU share.
+
+An agent with `resources.num_workers: K` is K actors joined into one torch.distributed group
+(`agent_trainer.workers`); `RayTrainers.call` sends each of them the whole request and merges their
+answers into the agent's one answer, so callers see one agent."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from agent_trainer import reaper
+from agent_trainer import reaper, workers
 from protocols.config import RayConfig, RunConfig
 from protocols.errors import UserError, describe, one_line
 
@@ -98,20 +102,21 @@ def node_label(node_id: str) -> str:
 
 
 class RayTrainers:
-    """One Ray actor per agent; `call` fans out to all named agents, then gathers once."""
+    """One Ray actor per agent worker; `call` fans out to all named agents' workers, then gathers once.
+    `workers[agent]` lists an agent's actors in worker order; `actors[agent]` is its worker 0."""
 
     def __init__(self, config: RunConfig, updates: dict[str, int]):
         from agent_trainer.group import TrainerStartError, num_threads
 
         from agent_trainer.group import placement_problem
 
-        names = list(config.agents)
         total = ray.cluster_resources()
         problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), "the Ray cluster")
         if problem:  # cannot fit at all: say so now rather than after placement_timeout_s
             raise PlacementError(problem)
         bundles = [{"CPU": a.resources.num_cpus, **({"GPU": a.resources.num_gpus} if a.resources.num_gpus else {})}
-                   for a in config.agents.values()]
+                   for a in config.agents.values() for _ in range(a.resources.num_workers)]
+        names = [name for name, a in config.agents.items() for _ in range(a.resources.num_workers)]  # per bundle
         self.pg = placement_group(bundles, strategy=config.ray.placement_strategy)
         try:
             ray.get(self.pg.ready(), timeout=config.ray.placement_timeout_s)
@@ -124,15 +129,26 @@ class RayTrainers:
                 f"cluster has free {free}; lower agents.<name>.resources or add nodes"
             ) from None
         actor_cls = ray.remote(_TrainerActor)
-        self.actors = {}
+        self.workers: dict[str, list] = {}
+        bundle = 0
         for i, (name, agent) in enumerate(config.agents.items()):
-            self.actors[name] = actor_cls.options(
-                num_cpus=agent.resources.num_cpus, num_gpus=agent.resources.num_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                                     placement_group_bundle_index=i),
-            ).remote(name, config, i, updates[name], num_threads(agent.resources.num_cpus))
-        try:  # waits until every trainer is up
-            errors = [i["error"] for i in self.info(timeout=config.train.start_timeout_s).values() if i["error"]]
+            self.workers[name] = []
+            for _ in range(agent.resources.num_workers):  # each worker in a bundle of its own
+                self.workers[name].append(actor_cls.options(
+                    num_cpus=agent.resources.num_cpus, num_gpus=agent.resources.num_gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                                         placement_group_bundle_index=bundle),
+                ).remote(name, config, i, updates[name], num_threads(agent.resources.num_cpus)))
+                bundle += 1
+        self.actors = {name: group[0] for name, group in self.workers.items()}
+        try:  # waits until every trainer is up, then joins each agent's workers into one group
+            info = self.info(timeout=config.train.start_timeout_s)
+            errors = [w["error"] for i in info.values() for w in i["workers"] if w["error"]]
+            if not errors:
+                self._join_workers(info, config.train.start_timeout_s, config.train.call_timeout_s)
+        except TrainerStartError:
+            self.close()
+            raise
         except ray.exceptions.GetTimeoutError:
             self.close()
             raise TrainerStartError(f"trainers were not up within train.start_timeout_s="
@@ -142,35 +158,110 @@ class RayTrainers:
             self.close()
             raise TrainerStartError(errors[0])
 
+    def _join_workers(self, info: dict[str, dict[str, Any]], start_timeout: float | None,
+                      call_timeout: float | None) -> None:
+        """Join each multi-worker agent's actors into its process group: worker 0 opens the group's store
+        on its node, then every worker joins at that address. Collectives time out after `call_timeout`."""
+        from agent_trainer.group import TrainerStartError
+
+        groups = {name: group for name, group in self.workers.items() if len(group) > 1}
+        if not groups:
+            return
+        timeout_s = call_timeout or 7 * 24 * 3600.0
+        hosts = {name: _node_address(info[name]["node"]) for name in groups}
+        ports = ray.get([group[0].call.remote(workers.host_store, {
+            "host": hosts[name], "world_size": len(group), "timeout_s": timeout_s}) for name, group in groups.items()],
+            timeout=start_timeout)
+        joined = {actor.call.remote(workers.join, {"host": hosts[name], "port": port, "rank": rank,
+                                                   "world_size": len(group), "timeout_s": timeout_s}): name
+                  for (name, group), port in zip(groups.items(), ports) for rank, actor in enumerate(group)}
+        for ref, name in joined.items():
+            try:
+                ray.get(ref, timeout=start_timeout)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                reason = (describe(exc.cause or exc) if isinstance(exc, ray.exceptions.RayTaskError)
+                          else one_line(exc)[:200])
+                raise TrainerStartError(f"agent {name!r}: its {len(groups[name])} workers could not join one "
+                                        f"process group at {hosts[name]}:{ports[list(groups).index(name)]} "
+                                        f"({reason}); check that the nodes reach each other on that port") from None
+
     def call(self, method: str | Callable, kwargs_by_agent: dict[str, dict[str, Any]],
              timeout: float | None = None) -> dict:
-        """Fan out to every named agent, then gather; a dead, hung or raising trainer is a TrainerFailure.
+        """Fan out to every named agent's workers, then gather; a dead, hung or raising worker is a
+        TrainerFailure of its agent. Every worker gets the same request (worker 0 only, for the calls in
+        `workers.FIRST_WORKER_CALLS`); `workers.merge` makes the agent's answer of theirs.
         `method`: a trainer method's name, or a function run in the trainer's process (`agent_trainer.storage`)."""
-        from agent_trainer.group import TrainerFailure, method_name
+        from agent_trainer.group import method_name
 
         method_label = method_name(method)
-        refs = {n: self.actors[n].call.remote(method, kwargs) for n, kwargs in kwargs_by_agent.items()}
+        refs = {}  # ref -> (agent, worker rank)
+        for name, kwargs in kwargs_by_agent.items():
+            group = self.workers[name][:1] if method_label in workers.FIRST_WORKER_CALLS else self.workers[name]
+            shared = ray.put(kwargs) if len(group) > 1 else kwargs  # one copy in the object store for all workers
+            refs.update({actor.call.remote(method, shared): (name, rank) for rank, actor in enumerate(group)})
         deadline = None if timeout is None else time.monotonic() + timeout
-        results = {}
-        for name, ref in refs.items():
+        answers: dict[str, dict[int, Any]] = {name: {} for name in kwargs_by_agent}
+        pending = list(refs)
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not done:
+                name, rank = refs[pending[0]]
+                raise self._failure(name, rank, method_label, f"no answer within {timeout:g}s (hung)", True)
+            name, rank = refs[done[0]]
             try:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                results[name] = ray.get(ref, timeout=left)
-            except ray.exceptions.GetTimeoutError:
-                raise TrainerFailure(name, method_label, f"no answer within {timeout:g}s (hung)", recoverable=True) from None
+                answers[name][rank] = ray.get(done[0])
             except ray.exceptions.RayActorError as exc:
-                reason = one_line(exc)[:200]
-                raise TrainerFailure(name, method_label, f"its process died ({reason})", recoverable=True) from None
+                raise self._failure(name, rank, method_label, f"its process died ({one_line(exc)[:200]})", True) from None
             except ray.exceptions.RayTaskError as exc:
-                raise TrainerFailure(name, method_label, describe(exc.cause or exc), recoverable=False) from None
-        return results
+                peers = [ref for ref in pending if refs[ref][0] == name]
+                dead = self._dead_peer(peers, refs)  # a peer's death fails this worker's collectives
+                if dead is not None:
+                    raise self._failure(name, dead, method_label, "its process died (a collective failed on its "
+                                        "peers)", True) from None
+                raise self._failure(name, rank, method_label, describe(exc.cause or exc), False) from None
+        return {name: workers.merge([got[r] for r in sorted(got)]) for name, got in answers.items()}
+
+    def _failure(self, agent: str, rank: int, method: str, reason: str, recoverable: bool):
+        from agent_trainer.group import TrainerFailure
+
+        size = len(self.workers[agent])
+        return TrainerFailure(agent, method, f"worker {rank} of {size}: {reason}" if size > 1 else reason, recoverable)
+
+    @staticmethod
+    def _dead_peer(peers: list, refs: dict) -> int | None:
+        """The rank of a worker among `peers` (refs of one agent's other workers) whose process died, waiting
+        a few seconds for Ray to notice a death; None if they all live."""
+        ready, _ = ray.wait(peers, num_returns=len(peers), timeout=_PEER_GRACE_S) if peers else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                return refs[ref][1]
+            except ray.exceptions.RayTaskError:
+                pass
+        return None
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        names = list(self.actors)
-        return dict(zip(names, ray.get([self.actors[n].info.remote() for n in names], timeout=timeout)))
+        """Each agent's worker 0's info, with every worker's under `workers`."""
+        names = list(self.workers)
+        answers = iter(ray.get([a.info.remote() for n in names for a in self.workers[n]], timeout=timeout))
+        grouped = {n: [next(answers) for _ in self.workers[n]] for n in names}
+        return {n: {**group[0], "workers": group} for n, group in grouped.items()}
 
     def close(self) -> None:
-        for actor in self.actors.values():
-            ray.kill(actor)
+        for group in self.workers.values():
+            for actor in group:
+                ray.kill(actor)
+        self.workers.clear()
         self.actors.clear()
         remove_placement_group(self.pg)
+
+
+_PEER_GRACE_S = 5.0
+"""Seconds a multi-worker agent's call waits, after one worker raised, for Ray to report a peer's death."""
+
+
+def _node_address(node_id: str) -> str:
+    """The IP address of a Ray node, where a worker there can be reached."""
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n.get("NodeID") == node_id)

@@ -95,7 +95,7 @@ class VLLMEngine:
 
     # ----------------------------------------------------------------------------------- sampling
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 seed: int) -> list[Rollout]:
+                 seed: int, first_row: int = 0, total_rows: int | None = None) -> list[Rollout]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -107,7 +107,7 @@ class VLLMEngine:
         if any(not p for p in prompt_ids):
             raise ValueError("the vllm engine cannot complete an empty prompt; give every prompt at least one token")
         params = [SamplingParams(temperature=temperature, top_k=self.generation.top_k, top_p=self.generation.top_p,
-                                 max_tokens=max_new_tokens, seed=row_seed(seed, i), logprobs=0,
+                                 max_tokens=max_new_tokens, seed=row_seed(seed, first_row + i), logprobs=0,
                                  stop_token_ids=self.stop_ids, ignore_eos=True, detokenize=False,
                                  skip_special_tokens=False)  # ignore_eos: marsi's stop ids are the only ones
                   for i in range(len(prompt_ids))]

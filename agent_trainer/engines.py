@@ -47,8 +47,10 @@ class RolloutEngine(Protocol):
     """`hf` or `vllm`."""
 
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 seed: int) -> list[Rollout]:
-        """One completion per prompt; the same `seed` and prompts replay the same completions."""
+                 seed: int, first_row: int = 0, total_rows: int | None = None) -> list[Rollout]:
+        """One completion per prompt; the same `seed` and prompts replay the same completions. The prompts
+        are rows `first_row` onward of a request of `total_rows` rows (default: all of it), and each row
+        samples as it would in the whole request (a data-parallel agent's workers each decode a share)."""
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
         """Log-prob of each completion token under the engine's weights, full softmax at temperature 1:
@@ -75,13 +77,14 @@ class HFEngine:
         self.device, self.autocast = device, autocast
 
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 seed: int) -> list[Rollout]:
+                 seed: int, first_row: int = 0, total_rows: int | None = None) -> list[Rollout]:
         ids, mask = left_pad(prompt_ids, self.pad_id, self.device)
         generator = torch.Generator(self.device).manual_seed(seed)
         with torch.inference_mode(), self.autocast():
             completion_ids, lengths, per_token_logps = sampling.sample(
                 self.model, ids, mask, temperature=temperature, top_k=self.top_k, top_p=self.top_p,
-                max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, pad_id=self.pad_id, generator=generator)
+                max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, pad_id=self.pad_id, generator=generator,
+                first_row=first_row, total_rows=total_rows)
         completion_ids, lengths, per_token_logps = completion_ids.tolist(), lengths.tolist(), per_token_logps.tolist()
         rollouts = []
         for i, n in enumerate(lengths):

@@ -30,14 +30,17 @@ class TrainerFailure(RuntimeError):
 
 
 def placement_problem(config: RunConfig, cpus: float, gpus: float, where: str) -> str | None:
-    """Why the trainers' resource requests cannot fit `cpus` and `gpus` in all, and what to lower, or None."""
+    """Why the trainers' resource requests cannot fit `cpus` and `gpus` in all, and what to lower, or None.
+    An agent asks for its per-worker resources once per worker."""
     asked = {name: agent.resources for name, agent in config.agents.items()}
     for kind, have, key in (("CPUs", cpus, "num_cpus"), ("GPUs", gpus, "num_gpus")):
-        total = sum(getattr(r, key) for r in asked.values())
+        total = sum(getattr(r, key) * r.num_workers for r in asked.values())
         if total > have + 1e-9:
-            each = ", ".join(f"{name}: {getattr(r, key):g}" for name, r in asked.items())
+            each = ", ".join(f"{name}: {getattr(r, key):g}" + (f" x {r.num_workers} workers" if r.num_workers > 1 else "")
+                             for name, r in asked.items())
             return (f"agents ask for {total:g} {kind} in all ({each}) but {where} has {have:g}; lower "
-                    f"agents.NAME.resources.{key} (fractions such as 0.5 share a core) or give the cluster more")
+                    f"agents.NAME.resources.{key} (fractions such as 0.5 share a core) or num_workers, or give the "
+                    "cluster more")
     return None
 
 

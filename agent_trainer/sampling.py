@@ -9,7 +9,10 @@ else acts on sampling: a model's own `generation_config.json` (repetition penalt
 min_p, typical_p, ...) is never consulted; only its end-of-sequence ids are used, to stop.
 
 `sample` runs the decode loop itself (prefill, then one token at a time with the KV cache) and keeps
-one log-prob per sampled token: it never holds (B, T, V) logits.
+one log-prob per sampled token: it never holds (B, T, V) logits. It draws each token by the exponential
+race (argmax of p / q with q ~ Exp(1), what `torch.multinomial` does for one sample), with the noise of
+every row of the whole request drawn from its seed: a row samples the same tokens whichever share of the
+request (rows `first_row` onward) a worker of a data-parallel agent decodes.
 """
 
 from __future__ import annotations
@@ -68,13 +71,17 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 @torch.no_grad()
 def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            temperature: float, top_k: int, top_p: float, stop_ids: list[int], pad_id: int,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           generator: torch.Generator, first_row: int = 0,
+           total_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample from left-padded prompts until each row samples a stop id or has `max_new_tokens`.
 
-    `temperature` 0 decodes greedily. Returns (B, T) completion ids (pad after a row's stop), (B,) lengths
+    The prompts are rows `first_row` to `first_row + B` of a request of `total_rows` (default B) rows, all
+    sampled from `generator`: each decode step draws the noise of all `total_rows` rows and uses this
+    share's. `temperature` 0 decodes greedily. Returns (B, T) completion ids (pad after a row's stop), (B,) lengths
     (the stop id included), and (B, T) log-probs of the sampled tokens under the sampling distribution
     (0 after a row's stop, and 0 throughout when greedy)."""
     B, device = prompt_ids.size(0), prompt_ids.device
+    total_rows = B if total_rows is None else total_rows
     cache_arg = _cache_argument(model)
     stop = torch.tensor(stop_ids, device=device)
     attention_mask = prompt_mask
@@ -92,7 +99,9 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
             token_logp = torch.zeros(B, device=device)
         else:
             logp = sampling_logits(out.logits[:, -1, :].float(), temperature, top_k, top_p).log_softmax(-1)  # (B, V)
-            token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1).masked_fill(done, pad_id)
+            noise = torch.empty(total_rows, logp.size(1), device=device).exponential_(generator=generator)  # (N, V)
+            race = logp.exp() / noise[first_row:first_row + B]  # (B, V)
+            token = race.argmax(-1).masked_fill(done, pad_id)  # (B,)
             token_logp = logp.gather(1, token.unsqueeze(1)).squeeze(1).masked_fill(done, 0.0)  # (B,)
         tokens.append(token)
         logps.append(token_logp)

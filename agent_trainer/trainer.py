@@ -18,6 +18,10 @@ Choices a reviewer should know (they follow trl, verl and SPIRAL unless said oth
   the schedule of the total this trainer was built with at the restored update count, so extending a
   run (a larger `train.steps`) continues on the curve for the new total from where the run stands.
 - `grad_norm` is the mean of the passes' pre-clipping norms.
+- Data parallelism (`resources.num_workers` > 1, `agent_trainer.workers`): every worker gets the whole
+  request and takes its share of the rows; the loss keeps the whole batch's token and sequence counts, the
+  gradients are summed over the workers before clipping and stepping, and the statistics are the whole
+  batch's. `self.workers` is that hook; with one worker it takes every row and reduces nothing.
 - Generation is the rollout engine's (`agent_trainer.engines`: `hf`, the decode loop on this model; `vllm`,
   a colocated vLLM engine with its own copy of the weights). The engine sleeps during an update and is
   synced with the new weights right after it (`sync_seconds`), and after `load`.
@@ -48,6 +52,7 @@ from transformers import AutoModelForCausalLM
 from agent_trainer import losses, sampling
 from agent_trainer.engines import left_pad, make_engine, model_logps
 from agent_trainer.models import DTYPES, context_problem, load_model, resolve_model_path, source_fingerprint
+from agent_trainer.workers import SingleWorker
 from protocols.config import AgentConfig, AlgorithmConfig
 from protocols.messages import (
     CheckpointInfo, Completion, Experience, GenerateRequest, GenerateResult, Prompt, UpdateRequest, UpdateResult,
@@ -94,6 +99,7 @@ class AgentTrainer:
             if algorithm.beta > 0:
                 self.ref_model = copy.deepcopy(self.model).to(self.compute_dtype).requires_grad_(False)
             self._make_optimizer()
+        self.workers = SingleWorker()  # agent_trainer.workers.join makes it one of several data-parallel workers
         self.step = 0
         self.from_checkpoint = False  # weights came from a checkpoint, not from agent.model
         self.use_chat_template = (
@@ -107,9 +113,11 @@ class AgentTrainer:
         start = time.perf_counter()
         gen = self.agent.generation
         temperature = gen.temperature if request.temperature is None else request.temperature
-        prompts = [self.encode_prompt(p) for p in request.prompts]
+        first, last = self.workers.rows(len(request.prompts))  # this worker's share of the rows
+        prompts = [self.encode_prompt(p) for p in request.prompts[first:last]]
         rollouts = self.engine.generate([ids for ids, _ in prompts], temperature=temperature, seed=request.seed,
-                                        max_new_tokens=request.max_completion_length or gen.max_completion_length)
+                                        max_new_tokens=request.max_completion_length or gen.max_completion_length,
+                                        first_row=first, total_rows=len(request.prompts)) if prompts else []
         completions = []
         for (ids, truncated), rollout in zip(prompts, rollouts):
             row, stopped = rollout.completion_ids, rollout.finish_reason == "stop"
@@ -181,6 +189,8 @@ class AgentTrainer:
         experiences = by_length(experiences)
         total_tokens = float(sum(len(e.completion_ids) for e in experiences))
         total_sequences = float(len(experiences))
+        first, last = self.workers.rows(len(experiences))
+        experiences = experiences[first:last]  # this worker's share; the normalisers above stay the whole batch's
         lr = self.agent.optimizer.lr * self._lr_factor(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -235,6 +245,7 @@ class AgentTrainer:
                 with torch.no_grad():
                     stats["entropy"] += float((losses.entropy_from_logits(logits.detach()) * completion_mask).sum())
                     stats["clipped"] += float((clipped.float() * completion_mask).sum())
+            finite = self.workers.reduce_gradients(self.model.parameters(), finite)  # the whole batch's gradient
             grad_norm = math.nan
             if finite:
                 self.scaler.unscale_(self.optimizer)
@@ -248,13 +259,14 @@ class AgentTrainer:
             grad_norms.append(grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.workers.reduce_stats(stats, maxima=("gap_max",))  # the whole batch's sums
         n = alg.num_iterations
         tis_tokens = stats["tis_tokens"]
         return UpdateResult(
             agent=self.name, step=self.step, loss=stats["loss"] / n, grad_norm=sum(grad_norms) / n,
             kl=stats["kl"] / (n * total_tokens), entropy=stats["entropy"] / (n * total_tokens),
             clip_fraction=stats["clipped"] / (n * total_tokens), lr=lr, num_tokens=int(total_tokens),
-            num_sequences=len(experiences), seconds=0.0, skipped_steps=skipped,
+            num_sequences=int(total_sequences), seconds=0.0, skipped_steps=skipped,
             logp_mismatch=stats["mismatch"] / stats["mismatch_tokens"] if stats["mismatch_tokens"] else None,
             logp_gap_max=stats["gap_max"] if stats["mismatch_tokens"] else None,
             tis_weight=stats["tis_weight"] / tis_tokens if tis_tokens else None,

@@ -159,12 +159,12 @@ def cmd_validate(args) -> int:
     acting = _acting_roles(coordinator, env)
     print(f"{args.config}: valid. agents: {', '.join(config.agents)}; roles: {', '.join(env.possible_agents)}; "
           f"{per_step} episodes per step, at most {env.max_turns} turns each")
-    asked = sum(a.resources.num_cpus for a in config.agents.values())
+    asked = sum(a.resources.num_cpus * a.resources.num_workers for a in config.agents.values())
     where = f"joins {joins}; checked when the run starts" if joins else (
         "in-process (ray.enabled false)" if not config.ray.enabled else
         "local cluster: {:g} CPUs, {:g} GPUs".format(*local_resources(config)))
     print(f"resources: trainers ask for {asked:g} CPUs, "
-          f"{sum(a.resources.num_gpus for a in config.agents.values()):g} GPUs; {where}")
+          f"{sum(a.resources.num_gpus * a.resources.num_workers for a in config.agents.values()):g} GPUs; {where}")
     if not schedule.trainable:
         print("no agent trains (all are in schedule.frozen): the run plays episodes and logs their rewards only")
     print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "

@@ -69,10 +69,17 @@ class OptimizerConfig(_Strict):
 
 
 class ResourcesConfig(_Strict):
+    """What one agent's trainer asks of the cluster. `num_gpus` and `num_cpus` are per worker: an agent with
+    `num_workers: K` asks for K times them, as K bundles of the trainers' placement group."""
+
     num_gpus: float = Field(0.0, ge=0.0)
-    """GPUs for this agent's trainer actor; 0 runs it on CPU."""
+    """GPUs for each of this agent's workers (Ray actors); 0 runs them on CPU."""
     num_cpus: float = Field(1.0, gt=0.0)
-    """CPU cores for the actor; torch's thread count is set to max(1, floor(num_cpus))."""
+    """CPU cores for each worker; torch's thread count is set to max(1, floor(num_cpus))."""
+    num_workers: int = Field(1, ge=1)
+    """Data-parallel workers of this agent: K processes joined into one torch.distributed group (gloo on CPU,
+    NCCL on GPU), each with a full copy of the model; generate requests are split across them and each update
+    trains every worker on its share of the batch with the whole batch's gradient. Needs Ray (ray.enabled)."""
 
 
 class VLLMConfig(_Strict):
@@ -409,6 +416,21 @@ class RunConfig(_Strict):
                     raise ValueError(f"{key}: agent {name!r} is not defined; defined agents: {', '.join(agents)}")
 
         for name, agent in self.agents.items():
+            workers = agent.resources.num_workers
+            if workers > 1 and not self.ray.enabled:
+                raise ValueError(f"agents.{name}.resources.num_workers: {workers} workers are {workers} processes, "
+                                 f"which need Ray, but ray.enabled is false (one process); set ray.enabled: true or "
+                                 f"agents.{name}.resources.num_workers: 1")
+            if workers > 1 and 0 < agent.resources.num_gpus < 1:
+                raise ValueError(f"agents.{name}.resources.num_gpus: {agent.resources.num_gpus:g} per worker would let two "
+                                 f"of the {workers} workers of agent {name!r} share a GPU, which NCCL refuses; give each worker "
+                                 f"a whole GPU (agents.{name}.resources.num_gpus: 1) or set "
+                                 f"agents.{name}.resources.num_workers: 1")
+            if workers > 1 and agent.rollout.engine == "vllm":
+                raise ValueError(f"agents.{name}.resources.num_workers: {workers} workers cannot sample with "
+                                 f"agents.{name}.rollout.engine: vllm (a colocated vLLM engine takes its process's "
+                                 f"torch.distributed group); set agents.{name}.rollout.engine: hf or "
+                                 f"agents.{name}.resources.num_workers: 1")
             rollout = agent.rollout
             if rollout.engine == "hf" and rollout.vllm is not None:
                 raise ValueError(f"agents.{name}.rollout.vllm: vLLM settings are given but agents.{name}.rollout.engine "
@@ -455,6 +477,9 @@ class RunConfig(_Strict):
             )
         for label, held in (self.eval.partners if self.eval else {}).items():
             known(f"eval.partners.{label}", list(held))
+        if self.eval and self.eval.partners and self.eval.partner_resources.num_workers > 1:
+            raise ValueError(f"eval.partner_resources.num_workers: {self.eval.partner_resources.num_workers}; a partner "
+                             "only generates for evaluations, on one worker; set eval.partner_resources.num_workers: 1")
         distinct = len({tuple(sorted(seating.items())) for seating in seatings})
         if (self.algorithm.baseline == "group" and self.roles.rotation == "per_episode" and distinct > 1
                 and "role" in self.algorithm.group_by and self.train.num_generations // distinct < 2):

@@ -1,0 +1,160 @@
+"""Data-parallel agents: K workers sample and update as one worker does, survive a killed worker, and resume on any K."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from agent_trainer import workers
+from agent_trainer.group import TrainerFailure, placement_problem
+from orchestrator.coordinator import Coordinator
+from protocols.config import ConfigError, validate_config
+from protocols.messages import UpdateRequest
+from tests.dp_workers import REQUEST, VARIANTS, die_in_a_collective, experiences, make_trainer, worker
+from tests.envs import config
+from tests.runs import rows, without_times
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    """What one worker and two workers (processes joined by gloo) generate and train from the same batch."""
+    torch.set_num_threads(1)
+    single = make_trainer().generate(REQUEST).completions
+    batch = experiences(single)
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(rank, ports, batch, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((rank, (completions, updates)) for rank, completions, updates in
+               (results.get(timeout=300) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    return single, batch, got
+
+
+def test_shares_are_contiguous_and_cover_every_row():
+    assert [workers.share(7, r, 2) for r in range(2)] == [(0, 4), (4, 7)]
+    assert [workers.share(2, r, 3) for r in range(3)] == [(0, 1), (1, 2), (2, 2)]
+
+
+def test_two_workers_sample_what_one_worker_samples(two_workers):
+    single, _, got = two_workers
+    shares = got[0][0] + got[1][0]
+    assert [c.completion_ids for c in shares] == [c.completion_ids for c in single]
+    for mine, theirs in zip(shares, single):
+        assert mine.per_token_logps == pytest.approx(theirs.per_token_logps, abs=1e-6)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["token", "sequence-2-passes", "token-micro-batches"])
+def test_two_workers_update_to_the_parameters_of_one(two_workers, variant):
+    _, batch, got = two_workers
+    torch.set_num_threads(1)
+    one = make_trainer(*variant)
+    result = one.update(UpdateRequest(experiences=batch))
+    i = VARIANTS.index(variant)
+    (params0, result0), (params1, result1) = got[0][1][i], got[1][1][i]
+    assert result.grad_norm > 0.05  # clipping is active: the workers clip by the global norm
+    initial = dict(make_trainer().model.named_parameters())
+    for name, p in one.model.named_parameters():
+        assert not torch.equal(p.detach(), initial[name]), name  # the update moved it
+        assert torch.allclose(torch.from_numpy(params0[name]), p.detach(), rtol=0, atol=1e-6), name
+        assert (params0[name] == params1[name]).all(), name  # the workers stay identical
+    for key in ("loss", "grad_norm", "kl", "entropy", "clip_fraction", "logp_mismatch", "logp_gap_max"):
+        assert getattr(result0, key) == pytest.approx(getattr(result, key), rel=1e-5, abs=1e-7), key
+    assert (result0.num_tokens, result0.num_sequences) == (result.num_tokens, result.num_sequences)
+    untimed = {"seconds": 0.0, "sync_seconds": 0.0}
+    assert result1.model_copy(update=untimed) == result0.model_copy(update=untimed)  # both report the whole batch
+
+
+# ------------------------------------------------------------------------------------ through the coordinator
+STEPS = 3
+
+
+def raw_config(workers_a=1, ray=False, steps=STEPS):
+    raw = config(train={"steps": steps, "batch_size": 2, "num_generations": 3, "checkpoint_every": 1,
+                        "keep_checkpoints": 5}, ray=ray)
+    for agent in raw["agents"].values():
+        agent["resources"] = {"num_cpus": 0.25}
+    raw["agents"]["a"]["resources"]["num_workers"] = workers_a
+    return raw
+
+
+def assert_same_metrics(metrics, reference):
+    """Row by row the same keys and values; floats to 1e-5, or 1e-6 near 0 (the workers sum gradients in another
+    order, and a log-prob gap of 1e-7 is rounding)."""
+    assert [sorted(m) for m in metrics] == [sorted(r) for r in reference]
+    for m, r in zip(metrics, reference):
+        for key, value in r.items():
+            if isinstance(value, float):
+                assert m[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (m["step"], key)
+            else:
+                assert m[key] == value, (m["step"], key)
+
+
+@pytest.fixture(scope="module")
+def one_worker_each(tmp_path_factory):
+    """Metrics of the reference run: every agent on one worker, in-process, STEPS + 2 steps."""
+    run_dir = tmp_path_factory.mktemp("one-worker-each")
+    with Coordinator(validate_config(raw_config(steps=STEPS + 2)), run_dir) as coord:
+        coord.run()
+    return without_times(rows(run_dir))
+
+
+def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_one(ray_cluster, tmp_path,
+                                                                                   one_worker_each):
+    with Coordinator(validate_config(raw_config(workers_a=2, ray=True)), tmp_path) as coord:
+        group = coord.trainers.info()["a"]["workers"]
+        assert len({w["pid"] for w in group}) == 2
+        victim = group[1]["pid"]
+
+        def kill_mid_run():
+            while coord.state.step < 1:
+                time.sleep(0.01)
+            os.kill(victim, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_mid_run)
+        killer.start()
+        coord.run()
+        killer.join()
+        assert coord.restarts == 1
+        assert victim not in {w["pid"] for w in coord.trainers.info()["a"]["workers"]}
+        # a worker that dies while its peer waits in a collective: the peer's error is the death, not a bug
+        with pytest.raises(TrainerFailure, match=r"agent 'a': die_in_a_collective failed: worker 1 of 2: its process "
+                                                 r"died") as failure:
+            coord.trainers.call(die_in_a_collective, {"a": {}}, timeout=60)
+        assert failure.value.recoverable
+    assert_same_metrics(without_times(rows(tmp_path)), one_worker_each[:STEPS])
+    # the 2-worker run's checkpoint resumes on one worker (in-process) and continues as the reference does
+    with Coordinator.resume(tmp_path, ["agents.a.resources.num_workers=1", "ray.enabled=false",
+                                       f"train.steps={STEPS + 2}"]) as coord:
+        coord.run()
+    assert_same_metrics(without_times(rows(tmp_path)), one_worker_each)
+
+
+def test_config_refuses_workers_without_ray_and_placement_counts_every_worker():
+    raw = raw_config(workers_a=2)
+    with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_workers: 2 workers are 2 processes, which need "
+                                          r"Ray, but ray\.enabled is false .*; set ray\.enabled: true or "
+                                          r"agents\.a\.resources\.num_workers: 1"):
+        validate_config(raw)
+    raw = raw_config(workers_a=2, ray=True)
+    raw["agents"]["a"]["rollout"] = {"engine": "vllm"}
+    with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_workers: 2 workers cannot sample with "
+                                          r"agents\.a\.rollout\.engine: vllm"):
+        validate_config(raw)
+    raw = raw_config(workers_a=2, ray=True)
+    raw["agents"]["a"]["resources"]["num_gpus"] = 0.5
+    with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_gpus: 0\.5 per worker would let two of the 2 "
+                                          r"workers of agent 'a' share a GPU, which NCCL refuses"):
+        validate_config(raw)
+    raw = raw_config(workers_a=4, ray=True)
+    assert placement_problem(validate_config(raw), 1.0, 0.0, "the Ray cluster") == (
+        "agents ask for 1.25 CPUs in all (a: 0.25 x 4 workers, b: 0.25) but the Ray cluster has 1; lower "
+        "agents.NAME.resources.num_cpus (fractions such as 0.5 share a core) or num_workers, or give the cluster more")
