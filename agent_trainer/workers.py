@@ -28,12 +28,13 @@ learner's loop is the same for both.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Iterable, Sequence
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from protocols.messages import GenerateResult
+
+if TYPE_CHECKING:  # torch loads in the workers; the driver imports this module for `merge` and the join calls
+    import torch
+    import torch.distributed as dist
 
 FIRST_WORKER_CALLS = frozenset({"save", "parameters_digest", "score", "per_token_logps"})
 """Calls only worker 0 answers: the workers hold the same weights, so one copy is written or read."""
@@ -73,10 +74,18 @@ class DataParallel:
     def rows(self, n: int) -> tuple[int, int]:
         return share(n, self.rank, self.world_size)
 
-    @torch.no_grad()
     def reduce_gradients(self, parameters: Iterable[torch.nn.Parameter], finite: bool) -> bool:
         """Sum every trainable parameter's gradient over the workers, in place; whether every worker's loss
         was finite. A parameter no worker gave a gradient keeps none (the optimizer skips it, as on one worker)."""
+        import torch
+
+        with torch.no_grad():
+            return self._reduce_gradients(parameters, finite)
+
+    def _reduce_gradients(self, parameters: Iterable[torch.nn.Parameter], finite: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
         params = [p for p in parameters if p.requires_grad]
         flags = torch.tensor([p.grad is not None for p in params] + [not finite], dtype=torch.float32,
                              device=self.device)  # (P + 1,) who has a gradient; who saw a non-finite loss
@@ -101,6 +110,9 @@ class DataParallel:
 
     def reduce_stats(self, stats: dict[str, float], maxima: Sequence[str]) -> None:
         """Sum `stats` over the workers in place; the keys in `maxima` take the largest value instead."""
+        import torch
+        import torch.distributed as dist
+
         keys = [k for k in stats if k not in maxima]
         sums = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(sums)
@@ -116,6 +128,8 @@ _hosted_store: dist.TCPStore | None = None  # worker 0's store, kept open from h
 
 def host_store(trainer: Any, *, host: str, world_size: int, timeout_s: float) -> int:
     """Worker 0: open the group's store on a free port of `host` (this node's address); returns the port."""
+    import torch.distributed as dist
+
     global _hosted_store
     _hosted_store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
@@ -126,6 +140,9 @@ def join(trainer: Any, *, host: str, port: int, rank: int, world_size: int, time
     """Join the agent's process group as worker `rank` (worker 0 with the store it hosts), start from worker
     0's weights, and make the trainer's learner data-parallel. `timeout_s` bounds the rendezvous and every
     collective (a dead peer fails a collective at once; a hung one after this)."""
+    import torch
+    import torch.distributed as dist
+
     global _hosted_store
     timeout = datetime.timedelta(seconds=timeout_s)
     store = _hosted_store if rank == 0 else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
