@@ -1,4 +1,5 @@
-"""The Ray wrapper: one actor per agent, placed by a placement group, each on its own GPU or CPU share."""
+"""The Ray wrapper: one actor per host (one full-model agent, or adapter agents sharing a base model), placed
+by a placement group, each on its own GPU or CPU share."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agent_trainer import reaper
-from protocols.config import RayConfig, RunConfig
+from protocols.config import RayConfig, RunConfig, host_layout
 from protocols.errors import UserError, describe, one_line
 
 
@@ -57,33 +58,35 @@ def init_ray(config: RayConfig) -> bool:
 
 
 class _TrainerActor:
-    """Holds one AgentTrainer; Ray pins it to its bundle, and CUDA_VISIBLE_DEVICES to its GPU."""
+    """Holds one host (`agent_trainer.hosts.Host`): its agents' trainers; Ray pins it to its bundle, and
+    CUDA_VISIBLE_DEVICES to its GPU."""
 
-    def __init__(self, name, config, index, total_updates, threads):
+    def __init__(self, host, config, updates, threads):
         import torch
 
-        from agent_trainer.group import TrainerStartError, start_trainer
+        from agent_trainer.group import TrainerStartError
+        from agent_trainer.hosts import Host
 
         torch.set_num_threads(threads)
         self.node = node_label(ray.get_runtime_context().get_node_id())
-        self.trainer, self.error = None, None
+        self.host, self.error = None, None
         try:
-            self.trainer = start_trainer(name, config, index, total_updates, where=self.node)
+            self.host = Host(host, config, updates, where=self.node)
         except TrainerStartError as exc:  # reported by info(), so the driver gets one clean line
             self.error = str(exc)
 
-    def call(self, method: str | Callable, kwargs: dict[str, Any]):
-        from agent_trainer.group import invoke
+    def call(self, agent: str, method: str | Callable, kwargs: dict[str, Any]):
+        return self.host.call(agent, method, kwargs)
 
-        return invoke(self.trainer, method, kwargs)
-
-    def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "error": self.error, "node": ray.get_runtime_context().get_node_id(),
-                "node_label": self.node,
-                "device": str(self.trainer.device) if self.trainer else None,
-                "engine": self.trainer.engine.name if self.trainer else None,
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+    def info(self) -> dict[str, dict[str, Any]]:
+        """Per agent of this host: its process, node, device and engine (the start error, if any, under "")."""
+        common = {"pid": os.getpid(), "error": self.error, "node": ray.get_runtime_context().get_node_id(),
+                  "node_label": self.node, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                  "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        if self.host is None:
+            return {"": {**common, "device": None, "engine": None}}
+        return {name: {**common, "host": self.host.name, "device": str(t.device), "engine": t.engine.name}
+                for name, t in self.host.trainers.items()}
 
 
 def node_label(node_id: str) -> str:
@@ -97,20 +100,22 @@ def node_label(node_id: str) -> str:
 
 
 class RayTrainers:
-    """One Ray actor per agent; `call` fans out to all named agents, then gathers once."""
+    """One Ray actor per host; `call` fans out to all named agents, then gathers once. Agents of one host are
+    served by one actor, one call at a time; its death is a failure of each of them."""
 
     def __init__(self, config: RunConfig, updates: dict[str, int]):
         from agent_trainer.group import TrainerStartError, num_threads
 
         from agent_trainer.group import placement_problem
 
-        names = list(config.agents)
+        layout = host_layout(config)
+        names = list(layout)
         total = ray.cluster_resources()
         problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), "the Ray cluster")
         if problem:  # cannot fit at all: say so now rather than after placement_timeout_s
             raise PlacementError(problem)
-        bundles = [{"CPU": a.resources.num_cpus, **({"GPU": a.resources.num_gpus} if a.resources.num_gpus else {})}
-                   for a in config.agents.values()]
+        resources = [config.agents[agents[0]].resources for agents in layout.values()]  # a host's agents share it
+        bundles = [{"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {})} for r in resources]
         self.pg = placement_group(bundles, strategy=config.ray.placement_strategy)
         try:
             ray.get(self.pg.ready(), timeout=config.ray.placement_timeout_s)
@@ -123,13 +128,16 @@ class RayTrainers:
                 f"cluster has free {free}; lower agents.<name>.resources or add nodes"
             ) from None
         actor_cls = ray.remote(_TrainerActor)
-        self.actors = {}
-        for i, (name, agent) in enumerate(config.agents.items()):
-            self.actors[name] = actor_cls.options(
-                num_cpus=agent.resources.num_cpus, num_gpus=agent.resources.num_gpus,
+        self.hosts, self.actors = {}, {}  # host -> actor; agent -> its host's actor
+        for i, ((host, agents), r) in enumerate(zip(layout.items(), resources)):
+            self.hosts[host] = actor_cls.options(
+                num_cpus=r.num_cpus, num_gpus=r.num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                      placement_group_bundle_index=i),
-            ).remote(name, config, i, updates[name], num_threads(agent.resources.num_cpus))
+            ).remote(host, config, updates, num_threads(r.num_cpus))
+            self.actors.update(dict.fromkeys(agents, self.hosts[host]))
+        self.layout = layout
+        self.housemates = {agent: agents for agents in layout.values() for agent in agents}
         try:  # waits until every trainer is up
             errors = [i["error"] for i in self.info(timeout=config.train.start_timeout_s).values() if i["error"]]
         except ray.exceptions.GetTimeoutError:
@@ -148,7 +156,7 @@ class RayTrainers:
         from agent_trainer.group import TrainerFailure, method_name
 
         method_label = method_name(method)
-        refs = {n: self.actors[n].call.remote(method, kwargs) for n, kwargs in kwargs_by_agent.items()}
+        refs = {n: self.actors[n].call.remote(n, method, kwargs) for n, kwargs in kwargs_by_agent.items()}
         deadline = None if timeout is None else time.monotonic() + timeout
         results = {}
         for name, ref in refs.items():
@@ -159,17 +167,29 @@ class RayTrainers:
                 raise TrainerFailure(name, method_label, f"no answer within {timeout:g}s (hung)", recoverable=True) from None
             except ray.exceptions.RayActorError as exc:
                 reason = one_line(exc)[:200]
-                raise TrainerFailure(name, method_label, f"its process died ({reason})", recoverable=True) from None
+                shared = [a for a in self.housemates[name] if a != name]
+                whose = f" (the host it shares with {', '.join(shared)})" if shared else ""
+                raise TrainerFailure(name, method_label, f"its process{whose} died ({reason})",
+                                     recoverable=True) from None
             except ray.exceptions.RayTaskError as exc:
                 raise TrainerFailure(name, method_label, describe(exc.cause or exc), recoverable=False) from None
         return results
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        names = list(self.actors)
-        return dict(zip(names, ray.get([self.actors[n].info.remote() for n in names], timeout=timeout)))
+        """Per agent: pid, node, device, engine, ... (agents of one host share the pid); a host that could not
+        start reports its error under each of its agents."""
+        hosts = list(self.hosts)
+        answers = ray.get([self.hosts[h].info.remote() for h in hosts], timeout=timeout)
+        out = {}
+        for host, agents in zip(hosts, answers):
+            if "" in agents:  # the host did not start: its error stands for each of its agents
+                agents = {a: agents[""] for a in self.layout[host]}
+            out.update(agents)
+        return out
 
     def close(self) -> None:
-        for actor in self.actors.values():
+        for actor in self.hosts.values():
             ray.kill(actor)
+        self.hosts.clear()
         self.actors.clear()
         remove_placement_group(self.pg)

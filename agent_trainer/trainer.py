@@ -45,7 +45,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from agent_trainer import losses, sampling
+from agent_trainer import adapters, losses, sampling
 from agent_trainer.engines import left_pad, make_engine, model_logps
 from agent_trainer.models import DTYPES, context_problem, load_model, resolve_model_path, source_fingerprint
 from protocols.config import AgentConfig, AlgorithmConfig
@@ -69,14 +69,21 @@ class AgentTrainer:
     """Generates completions for prompts and, unless frozen, updates its policy from scored completions."""
 
     def __init__(self, name: str, agent: AgentConfig, algorithm: AlgorithmConfig, *, seed: int = 0,
-                 total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True):
+                 total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True,
+                 base: adapters.SharedBase | None = None):
+        """`base`: the host's shared base model, for an adapter agent that shares one (None: its own)."""
         self.name, self.agent, self.algorithm, self.trainable = name, agent, algorithm, trainable
         self.total_updates = max(1, total_updates)
         self.device = torch.device(device) if device is not None else pick_device(agent.resources.num_gpus)
         self.compute_dtype = DTYPES[agent.dtype]
         _seed_everything(seed)
-        self.model, self.tokenizer = load_model(agent.model, tokenizer=agent.tokenizer, device=self.device,
-                                                dtype="float32" if trainable else agent.dtype)
+        self.shared = None
+        if agent.adapter is not None:  # the base stays frozen in agent.dtype; the adapter trains in float32
+            self.shared = base if base is not None else adapters.SharedBase()
+            self.model, self.tokenizer = self.shared.attach(name, agent, device=self.device, trainable=trainable)
+        else:
+            self.model, self.tokenizer = load_model(agent.model, tokenizer=agent.tokenizer, device=self.device,
+                                                    dtype="float32" if trainable else agent.dtype)
         self.model.eval()  # dropout off for good: the update trains the policy that sampled
         gen = agent.generation
         problem = context_problem(self.model.config, gen.max_prompt_length, gen.max_completion_length)
@@ -90,7 +97,9 @@ class AgentTrainer:
                                   seed=seed, autocast=self._autocast)
         self.ref_model = self.optimizer = None
         if trainable:
-            if algorithm.beta > 0:
+            if algorithm.beta > 0 and self.shared is not None:
+                self.ref_model = adapters.BaseOnly(self.model)  # the shared base, adapters off: no copy
+            elif algorithm.beta > 0:
                 self.ref_model = copy.deepcopy(self.model).to(self.compute_dtype).requires_grad_(False)
             self._make_optimizer()
         self.step = 0
@@ -285,6 +294,8 @@ class AgentTrainer:
         `path/trainer_state.pt`. A frozen agent whose weights are its source's writes only where they come from."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        if self.shared is not None:
+            return adapters.save(self, path)
         if not self.trainable and not self.from_checkpoint:
             (path / FROZEN_MARKER).write_text(json.dumps(
                 {"model": self.agent.model, "fingerprint": source_fingerprint(self.agent.model)}))
@@ -305,6 +316,8 @@ class AgentTrainer:
 
     def load(self, path: str | Path) -> CheckpointInfo:
         path = Path(path)
+        if self.shared is not None:
+            return adapters.load(self, path)
         marker = path / FROZEN_MARKER
         if marker.exists():  # saved frozen: the weights are agent.model's, loaded at start
             saved = json.loads(marker.read_text())
@@ -332,7 +345,10 @@ class AgentTrainer:
         return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
 
     def parameters_digest(self) -> str:
-        """SHA-256 of every parameter's bytes: equal digests mean equal weights."""
+        """SHA-256 of every parameter's bytes: equal digests mean equal weights (an adapter agent's: the base
+        and its own adapter)."""
+        if self.shared is not None:
+            return adapters.parameters_digest(self)
         h = hashlib.sha256()
         for name, p in sorted(self.model.named_parameters()):
             h.update(name.encode())
@@ -342,8 +358,10 @@ class AgentTrainer:
     # ------------------------------------------------------------------------------------ internals
     def _make_optimizer(self) -> None:
         opt = self.agent.optimizer
+        params = (list(adapters.own_parameters(self.model, self.name).values()) if self.shared is not None
+                  else [p for p in self.model.parameters() if p.requires_grad])
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=opt.lr, betas=opt.betas,
+            params, lr=opt.lr, betas=opt.betas,
             weight_decay=opt.weight_decay, fused=True,  # fused kernels on CPU and GPU: ~5x faster steps on CPU
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.compute_dtype == torch.float16)
