@@ -177,7 +177,8 @@ def save(trainer: AgentTrainer, path: Path) -> CheckpointInfo:
     if not trainer.trainable and not trainer.from_checkpoint:
         (path / FROZEN_MARKER).write_text(json.dumps(_frozen_source(agent)))
         return CheckpointInfo(agent=trainer.name, path=str(path), step=trainer.step)
-    weights = get_peft_model_state_dict(trainer.model, adapter_name=adapter_name(trainer.name))
+    weights = get_peft_model_state_dict(trainer.model, adapter_name=adapter_name(trainer.name),
+                                        save_embedding_layers=False)  # the base is never trained: never saved
     bad = [n for n, p in weights.items() if not bool(torch.isfinite(p).all())]
     if bad:
         raise ValueError(f"agent {trainer.name!r}: {len(bad)} adapter tensors are not finite (first: {bad[0]}); "
@@ -261,9 +262,18 @@ def _set_rng_state(rng: dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------------------- export
 def merged_model(agent: AgentConfig, adapter_dir: Path):
     """The base with the saved adapter at `adapter_dir` merged into its weights (float32): a plain HF model,
-    and the base's tokenizer."""
+    and the base's tokenizer. An adapter on the output head or the input embedding of a model that ties the
+    two unties them first (merging into the shared matrix would change both)."""
     from peft import PeftModel
 
     base, tokenizer = load_model(agent.model, tokenizer=agent.tokenizer, dtype="float32")
+    targets = json.loads((adapter_dir / "adapter_config.json").read_text()).get("target_modules") or []
+    targets = {targets} if isinstance(targets, str) else set(targets)
+    embeddings = {n.rsplit(".", 1)[-1] for n, m in base.named_modules()
+                  if m is base.get_output_embeddings() or m is base.get_input_embeddings()}
+    if getattr(base.config, "tie_word_embeddings", False) and targets & embeddings:
+        head = base.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        base.config.tie_word_embeddings = False
     model = PeftModel.from_pretrained(base, adapter_dir)
     return model.merge_and_unload(), tokenizer

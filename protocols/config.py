@@ -139,14 +139,10 @@ class AdapterConfig(_Strict):
     alpha, dropout and target_modules are then left out. None: a fresh adapter (B = 0: the agent starts as the
     base)."""
 
-    @model_validator(mode="after")
-    def _saved_settings(self) -> AdapterConfig:
-        given = sorted(k for k in self.model_fields_set - {"path"}
-                       if getattr(self, k) != type(self).model_fields[k].default)
-        if self.path is not None and given:
-            raise ValueError(f"adapter.{given[0]}: the adapter at adapter.path has its own settings; remove "
-                             f"{', '.join('adapter.' + g for g in given)} or adapter.path")
-        return self
+    def overridden(self) -> list[str]:
+        """Settings given besides `path` (with a value other than the default): a saved adapter has its own."""
+        return sorted(k for k in self.model_fields_set - {"path"}
+                      if getattr(self, k) != type(self).model_fields[k].default)
 
 
 class HostConfig(_Strict):
@@ -537,6 +533,10 @@ def hosts_problem(config: RunConfig) -> str | None:
         if agent.adapter is not None and agent.rollout.engine == "vllm":
             return (f"agents.{name}.adapter: adapter agents sample with the hf engine (the vllm engine serves full "
                     f"models only); set agents.{name}.rollout.engine: hf or remove agents.{name}.adapter")
+        if agent.adapter is not None and agent.adapter.path is not None and agent.adapter.overridden():
+            given = agent.adapter.overridden()
+            return (f"agents.{name}.adapter.{given[0]}: the adapter at agents.{name}.adapter.path has its own settings; "
+                    f"remove {', '.join(f'agents.{name}.adapter.{g}' for g in given)} or agents.{name}.adapter.path")
         if agent.adapter is not None and "." in name:
             return (f"agents.{name}: an adapter agent's name may not contain '.' (its adapter is a module named after "
                     "it); rename the agent")
