@@ -21,6 +21,10 @@ Choices a reviewer should know (they follow trl, verl and SPIRAL unless said oth
 - Generation is the rollout engine's (`agent_trainer.engines`: `hf`, the decode loop on this model; `vllm`,
   a colocated vLLM engine with its own copy of the weights). The engine sleeps during an update and is
   synced with the new weights right after it (`sync_seconds`), and after `load`.
+- Adapter agents (`agent.adapter`, `agent_trainer.adapters`): the model is a peft model with a LoRA adapter per
+  agent on a frozen base that the agents of one host share (`base`); the optimizer holds this agent's adapter
+  only, the KL reference is the base with the adapters off, and save/load write and read the adapter alone.
+  Calls must run inside `adapters.selected` (the trainer pools' `invoke` does), which activates the adapter.
 - Truncated importance sampling (`agent.rollout.tis_cap`, on by default with the vllm engine): the engine's
   behaviour log-probs mu differ from the learner's pi_old for the same weights (kernels, precision). Each
   token's policy-gradient term is multiplied by w = min(exp(log pi_old - log mu), tis_cap), detached, where

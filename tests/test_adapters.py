@@ -110,6 +110,27 @@ def test_checkpoint_holds_adapters_only_loads_with_peft_and_exports_a_merged_mod
         cmd_export(run_dir, "zed", tmp_path / "other")
 
 
+def test_a_frozen_agent_on_the_host_can_play_a_saved_adapter(reference):
+    """A frozen judge from a checkpoint's adapter (adapter.path) joins the host: no extra base, the saved policy."""
+    from agent_trainer.hosts import Host
+
+    run_dir, _, _ = reference
+    saved = RunLog(run_dir).latest_checkpoint() / "agents" / "a"
+    raw = shared_host_config()
+    raw["agents"]["c"]["adapter"] = {"path": str(saved / "adapter")}
+    config = validate_config(raw)
+    host = Host("h", config, {a: 1 for a in AGENTS})
+    trained = AgentTrainer("a", validate_config(shared_host_config()).agents["a"], config.algorithm)
+    invoke(trained, "load", {"path": saved})
+    experiences = [Experience(prompt_ids=[10, 20, 30], completion_ids=[60, 70], advantage=0.0)]
+    judge = flat(host.call("c", "score", {"experiences": experiences}))
+    assert judge == pytest.approx(flat(invoke(trained, "score", {"experiences": experiences})), abs=1e-6)
+    assert flat(host.call("a", "score", {"experiences": experiences})) != judge  # a starts afresh on the base
+    assert host.trainers["c"].model is host.trainers["a"].model
+    with pytest.raises(ValueError, match="agent 'c' is frozen"):
+        host.call("c", "update", {"request": UpdateRequest(experiences=experiences)})
+
+
 def cmd_export(run_dir, agent, out):
     from argparse import Namespace
 
