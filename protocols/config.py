@@ -417,8 +417,6 @@ def joins_cluster(config: RayConfig) -> bool:
 class RunConfig(_Strict):
     agents: dict[str, AgentConfig]
     """Agent name -> its model, sampling, optimizer and resources."""
-    hosts: dict[str, HostConfig] = {}
-    """Host name -> its resources: processes that several adapter agents share (`agents.NAME.host`)."""
     environment: EnvironmentConfig
     """The turn-based environment."""
     roles: RolesConfig
@@ -437,6 +435,8 @@ class RunConfig(_Strict):
     """Ray cluster settings."""
     eval: EvalConfig | None = None
     """Held-out evaluation during the run and for `marsi eval`; None: none."""
+    hosts: dict[str, HostConfig] = {}
+    """Host name -> its resources: processes that several adapter agents share (`agents.NAME.host`)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
