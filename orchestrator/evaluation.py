@@ -43,8 +43,7 @@ def partner_agents(config: RunConfig) -> dict[str, AgentConfig]:
                     update["model"] = own.model if weights == "initial" else _model_dir(weights)
                 elif weights != "initial":  # the base, with the adapter a checkpoint or adapter directory holds
                     update["adapter"] = own.adapter.model_copy(update={"path": _adapter_dir(weights)})
-                else:  # the base with a fresh adapter (B = 0): the agent as it started
-                    update["adapter"] = own.adapter.model_copy(update={"path": None})
+                # initial: the agent's own adapter settings, as it started (a fresh adapter, or adapter.path)
                 out[f"{agent}{PARTNER}{label}"] = own.model_copy(update=update)
     return out
 

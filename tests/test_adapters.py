@@ -241,3 +241,19 @@ def test_bad_host_and_adapter_settings_are_one_line_errors(change, message):
     with pytest.raises(ConfigError) as info:
         validate_config(_edit(change), source="run.yaml")
     assert str(info.value) == f"run.yaml: {message}"
+
+
+def test_evaluation_partners_of_adapter_agents_get_a_host_of_their_own(tmp_path):
+    from orchestrator.evaluation import partner_agents
+
+    saved = tmp_path / "step-000004" / "agents" / "a"
+    (saved / "adapter").mkdir(parents=True)
+    (saved / "adapter" / "adapter_config.json").write_text("{}")
+    raw = shared_host_config(eval={"data": {"factory": f"{HERE / 'envs.py'}:held_out"},
+                                   "partners": {"first": {"b": "initial"}, "saved": {"a": str(saved)}}})
+    partners = partner_agents(validate_config(raw))
+    assert sorted(partners) == ["a@saved", "b@first"]
+    for partner in partners.values():
+        assert partner.host is None and partner.resources.num_cpus == 0.1
+    assert partners["b@first"].adapter.path is None and partners["b@first"].adapter.rank == 4
+    assert partners["a@saved"].adapter.path == str(saved / "adapter")
