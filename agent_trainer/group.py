@@ -9,7 +9,6 @@ from typing import Any, Callable
 
 import torch
 
-from agent_trainer import adapters
 from agent_trainer.trainer import AgentTrainer
 from protocols.config import RunConfig, host_layout
 from protocols.errors import UserError, describe
@@ -61,6 +60,8 @@ def method_name(method: str | Callable) -> str:
 def invoke(trainer: AgentTrainer, method: str | Callable, kwargs: dict[str, Any]):
     """Call a trainer method by name, or a function that takes the trainer first (`agent_trainer.storage`);
     an adapter agent's adapter and RNG state are the live ones meanwhile."""
+    from agent_trainer import adapters
+
     with adapters.selected(trainer, method_name(method)):
         return getattr(trainer, method)(**kwargs) if isinstance(method, str) else method(trainer, **kwargs)
 
@@ -78,9 +79,9 @@ def missing_model_path(name: str, config: RunConfig, where: str) -> str | None:
 
 
 def start_trainer(name: str, config: RunConfig, index: int, total_updates: int,
-                  where: str = "this machine", base: adapters.SharedBase | None = None) -> AgentTrainer:
+                  where: str = "this machine", base=None) -> AgentTrainer:
     """An AgentTrainer for agent `name`; any failure becomes a one-line TrainerStartError. `where` names the
-    node in messages; `base` is the host's shared base model for an adapter agent."""
+    node in messages; `base` is the host's shared base model (`adapters.SharedBase`) for an adapter agent."""
     problem = missing_model_path(name, config, where)
     if problem:
         raise TrainerStartError(problem)
