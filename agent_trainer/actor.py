@@ -1,7 +1,8 @@
-"""The Ray wrapper: one actor per agent worker, placed by a placement group, each on its own GPU or CPU share.
+"""The Ray wrapper: one actor per host worker, placed by a placement group, each on its own GPU or CPU share.
 
-An agent with `resources.num_workers: K` is K actors joined into one torch.distributed group
-(`agent_trainer.workers`); `RayTrainers.call` sends each of them the whole request and merges their
+A host (`agent_trainer.hosts`) holds one full-model agent, or adapter agents sharing a base model. A
+full-model agent with `resources.num_workers: K` is a host of K actors joined into one torch.distributed
+group (`agent_trainer.workers`); `RayTrainers.call` sends each of them the whole request and merges their
 answers into the agent's one answer, so callers see one agent."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agent_trainer import reaper, workers
-from protocols.config import RayConfig, RunConfig
+from protocols.config import RayConfig, RunConfig, host_layout
 from protocols.errors import UserError, describe, one_line
 
 
@@ -61,34 +62,36 @@ def init_ray(config: RayConfig) -> bool:
 
 
 class _TrainerActor:
-    """Holds one AgentTrainer; Ray pins it to its bundle, and CUDA_VISIBLE_DEVICES to its GPU."""
+    """Holds one host (`agent_trainer.hosts.Host`): its agents' trainers; Ray pins it to its bundle, and
+    CUDA_VISIBLE_DEVICES to its GPU."""
 
-    def __init__(self, name, config, index, total_updates, threads):
+    def __init__(self, host, config, updates, threads):
         import torch
 
-        from agent_trainer.group import TrainerStartError, return_freed_memory, start_trainer
+        from agent_trainer.group import TrainerStartError, return_freed_memory
+        from agent_trainer.hosts import Host
 
         return_freed_memory()
         torch.set_num_threads(threads)
         self.node = node_label(ray.get_runtime_context().get_node_id())
-        self.trainer, self.error = None, None
+        self.host, self.error = None, None
         try:
-            self.trainer = start_trainer(name, config, index, total_updates, where=self.node)
+            self.host = Host(host, config, updates, where=self.node)
         except TrainerStartError as exc:  # reported by info(), so the driver gets one clean line
             self.error = str(exc)
 
-    def call(self, method: str | Callable, kwargs: dict[str, Any]):
-        from agent_trainer.group import invoke
+    def call(self, agent: str, method: str | Callable, kwargs: dict[str, Any]):
+        return self.host.call(agent, method, kwargs)
 
-        return invoke(self.trainer, method, kwargs)
-
-    def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "error": self.error, "node": ray.get_runtime_context().get_node_id(),
-                "node_label": self.node,
-                "device": str(self.trainer.device) if self.trainer else None,
-                "engine": self.trainer.engine.name if self.trainer else None,
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+    def info(self) -> dict[str, dict[str, Any]]:
+        """Per agent of this host: its process, node, device and engine (the start error, if any, under "")."""
+        common = {"pid": os.getpid(), "error": self.error, "node": ray.get_runtime_context().get_node_id(),
+                  "node_label": self.node, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                  "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        if self.host is None:
+            return {"": {**common, "device": None, "engine": None}}
+        return {name: {**common, "host": self.host.name, "device": str(t.device), "engine": t.engine.name}
+                for name, t in self.host.trainers.items()}
 
 
 def node_label(node_id: str) -> str:
@@ -102,8 +105,9 @@ def node_label(node_id: str) -> str:
 
 
 class RayTrainers:
-    """One Ray actor per agent worker; `call` fans out to all named agents' workers, then gathers once.
-    `workers[agent]` lists an agent's actors in worker order; `actors[agent]` is its worker 0."""
+    """One Ray actor per host worker; `call` fans out to all named agents' workers, then gathers once.
+    `workers[agent]` lists the actors of an agent's host in worker order; `actors[agent]` is its worker 0.
+    Agents of one host are served by one actor, one call at a time; its death is a failure of each of them."""
 
     def __init__(self, config: RunConfig, updates: dict[str, int]):
         from agent_trainer.group import TrainerStartError, num_threads
@@ -114,9 +118,11 @@ class RayTrainers:
         problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), "the Ray cluster")
         if problem:  # cannot fit at all: say so now rather than after placement_timeout_s
             raise PlacementError(problem)
-        bundles = [{"CPU": a.resources.num_cpus, **({"GPU": a.resources.num_gpus} if a.resources.num_gpus else {})}
-                   for a in config.agents.values() for _ in range(a.resources.num_workers)]
-        names = [name for name, a in config.agents.items() for _ in range(a.resources.num_workers)]  # per bundle
+        layout = host_layout(config)
+        resources = {host: config.agents[agents[0]].resources for host, agents in layout.items()}  # a host's agents share it
+        bundles = [{"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {})}
+                   for r in resources.values() for _ in range(r.num_workers)]
+        names = [host for host, r in resources.items() for _ in range(r.num_workers)]  # per bundle
         self.pg = placement_group(bundles, strategy=config.ray.placement_strategy)
         try:
             ray.get(self.pg.ready(), timeout=config.ray.placement_timeout_s)
@@ -129,18 +135,20 @@ class RayTrainers:
                 f"cluster has free {free}; lower agents.<name>.resources or add nodes"
             ) from None
         actor_cls = ray.remote(_TrainerActor)
-        self.workers: dict[str, list] = {}
+        self.layout, self.workers = layout, {}
         bundle = 0
-        for i, (name, agent) in enumerate(config.agents.items()):
-            self.workers[name] = []
-            for _ in range(agent.resources.num_workers):  # each worker in a bundle of its own
-                self.workers[name].append(actor_cls.options(
-                    num_cpus=agent.resources.num_cpus, num_gpus=agent.resources.num_gpus,
+        for host, r in resources.items():
+            group = []
+            for _ in range(r.num_workers):  # each worker in a bundle of its own
+                group.append(actor_cls.options(
+                    num_cpus=r.num_cpus, num_gpus=r.num_gpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                          placement_group_bundle_index=bundle),
-                ).remote(name, config, i, updates[name], num_threads(agent.resources.num_cpus)))
+                ).remote(host, config, updates, num_threads(r.num_cpus)))
                 bundle += 1
+            self.workers.update(dict.fromkeys(layout[host], group))
         self.actors = {name: group[0] for name, group in self.workers.items()}
+        self.housemates = {agent: agents for agents in layout.values() for agent in agents}
         try:  # waits until every trainer is up, then joins each agent's workers into one group
             info = self.info(timeout=config.train.start_timeout_s)
             errors = [w["error"] for i in info.values() for w in i["workers"] if w["error"]]
@@ -169,10 +177,10 @@ class RayTrainers:
             return
         timeout_s = call_timeout or 7 * 24 * 3600.0
         hosts = {name: _node_address(info[name]["node"]) for name in groups}
-        ports = ray.get([group[0].call.remote(workers.host_store, {
+        ports = ray.get([group[0].call.remote(name, workers.host_store, {
             "host": hosts[name], "world_size": len(group), "timeout_s": timeout_s}) for name, group in groups.items()],
             timeout=start_timeout)
-        joined = {actor.call.remote(workers.join, {"host": hosts[name], "port": port, "rank": rank,
+        joined = {actor.call.remote(name, workers.join, {"host": hosts[name], "port": port, "rank": rank,
                                                    "world_size": len(group), "timeout_s": timeout_s}): name
                   for (name, group), port in zip(groups.items(), ports) for rank, actor in enumerate(group)}
         for ref, name in joined.items():
@@ -198,7 +206,7 @@ class RayTrainers:
         for name, kwargs in kwargs_by_agent.items():
             group = self.workers[name][:1] if method_label in workers.FIRST_WORKER_CALLS else self.workers[name]
             shared = ray.put(kwargs) if len(group) > 1 else kwargs  # one copy in the object store for all workers
-            refs.update({actor.call.remote(method, shared): (name, rank) for rank, actor in enumerate(group)})
+            refs.update({actor.call.remote(name, method, shared): (name, rank) for rank, actor in enumerate(group)})
         deadline = None if timeout is None else time.monotonic() + timeout
         answers: dict[str, dict[int, Any]] = {name: {} for name in kwargs_by_agent}
         pending = list(refs)
@@ -212,7 +220,10 @@ class RayTrainers:
             try:
                 answers[name][rank] = ray.get(done[0])
             except ray.exceptions.RayActorError as exc:
-                raise self._failure(name, rank, method_label, f"its process died ({one_line(exc)[:200]})", True) from None
+                shared = [a for a in self.housemates[name] if a != name]
+                whose = f" (the host it shares with {', '.join(shared)})" if shared else ""
+                raise self._failure(name, rank, method_label, f"its process{whose} died ({one_line(exc)[:200]})",
+                                    True) from None
             except ray.exceptions.RayTaskError as exc:
                 peers = [ref for ref in pending if refs[ref][0] == name]
                 dead = self._dead_peer(peers, refs)  # a peer's death fails this worker's collectives
@@ -243,16 +254,22 @@ class RayTrainers:
         return None
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        """Each agent's worker 0's info, with every worker's under `workers`."""
-        names = list(self.workers)
-        answers = iter(ray.get([a.info.remote() for n in names for a in self.workers[n]], timeout=timeout))
-        grouped = {n: [next(answers) for _ in self.workers[n]] for n in names}
-        return {n: {**group[0], "workers": group} for n, group in grouped.items()}
+        """Per agent: worker 0's pid, node, device, engine, ... (agents of one host share the pid), with every
+        worker's under `workers`; a host that could not start reports its error under each of its agents."""
+        hosts = list(self.layout)
+        groups = [self.workers[self.layout[h][0]] for h in hosts]
+        answers = iter(ray.get([a.info.remote() for group in groups for a in group], timeout=timeout))
+        out: dict[str, dict[str, Any]] = {}
+        for host, group in zip(hosts, groups):
+            per_worker = [next(answers) for _ in group]
+            per_worker = [w if "" not in w else dict.fromkeys(self.layout[host], w[""]) for w in per_worker]
+            for agent in self.layout[host]:
+                out[agent] = {**per_worker[0][agent], "workers": [w[agent] for w in per_worker]}
+        return out
 
     def close(self) -> None:
-        for group in self.workers.values():
-            for actor in group:
-                ray.kill(actor)
+        for actor in {id(a): a for group in self.workers.values() for a in group}.values():
+            ray.kill(actor)
         self.workers.clear()
         self.actors.clear()
         remove_placement_group(self.pg)

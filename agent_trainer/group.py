@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from protocols.config import RunConfig
+from protocols.config import RunConfig, host_layout
 from protocols.errors import UserError, describe
 
 if TYPE_CHECKING:
@@ -30,17 +30,18 @@ class TrainerFailure(RuntimeError):
 
 
 def placement_problem(config: RunConfig, cpus: float, gpus: float, where: str) -> str | None:
-    """Why the trainers' resource requests cannot fit `cpus` and `gpus` in all, and what to lower, or None.
-    An agent asks for its per-worker resources once per worker."""
-    asked = {name: agent.resources for name, agent in config.agents.items()}
+    """Why the hosts' resource requests cannot fit `cpus` and `gpus` in all, and what to lower, or None.
+    A host (an agent's own, or one adapter agents share) asks for its per-worker resources once per worker."""
+    asked = {host: config.agents[names[0]].resources for host, names in host_layout(config).items()}
+    shared = " (hosts.NAME.resources for a shared host)" if config.hosts else ""
     for kind, have, key in (("CPUs", cpus, "num_cpus"), ("GPUs", gpus, "num_gpus")):
         total = sum(getattr(r, key) * r.num_workers for r in asked.values())
         if total > have + 1e-9:
             each = ", ".join(f"{name}: {getattr(r, key):g}" + (f" x {r.num_workers} workers" if r.num_workers > 1 else "")
                              for name, r in asked.items())
             return (f"agents ask for {total:g} {kind} in all ({each}) but {where} has {have:g}; lower "
-                    f"agents.NAME.resources.{key} (fractions such as 0.5 share a core) or num_workers, or give the "
-                    "cluster more")
+                    f"agents.NAME.resources.{key}{shared} (fractions such as 0.5 share a core) or num_workers, or "
+                    "give the cluster more")
     return None
 
 
@@ -91,8 +92,12 @@ def method_name(method: str | Callable) -> str:
 
 
 def invoke(trainer: AgentTrainer, method: str | Callable, kwargs: dict[str, Any]):
-    """Call a trainer method by name, or a function that takes the trainer first (`agent_trainer.storage`)."""
-    return getattr(trainer, method)(**kwargs) if isinstance(method, str) else method(trainer, **kwargs)
+    """Call a trainer method by name, or a function that takes the trainer first (`agent_trainer.storage`);
+    an adapter agent's adapter and RNG state are the live ones meanwhile."""
+    from agent_trainer import adapters
+
+    with adapters.selected(trainer, method_name(method)):
+        return getattr(trainer, method)(**kwargs) if isinstance(method, str) else method(trainer, **kwargs)
 
 
 def missing_model_path(name: str, config: RunConfig, where: str) -> str | None:
@@ -108,9 +113,9 @@ def missing_model_path(name: str, config: RunConfig, where: str) -> str | None:
 
 
 def start_trainer(name: str, config: RunConfig, index: int, total_updates: int,
-                  where: str = "this machine") -> AgentTrainer:
+                  where: str = "this machine", base=None) -> AgentTrainer:
     """An AgentTrainer for agent `name`; any failure becomes a one-line TrainerStartError. `where` names the
-    node in messages."""
+    node in messages; `base` is the host's shared base model (`adapters.SharedBase`) for an adapter agent."""
     problem = missing_model_path(name, config, where)
     if problem:
         raise TrainerStartError(problem)
@@ -118,24 +123,27 @@ def start_trainer(name: str, config: RunConfig, index: int, total_updates: int,
 
     try:
         return AgentTrainer(name, config.agents[name], config.algorithm, seed=config.train.seed + index,
-                            total_updates=total_updates, trainable=name not in config.schedule.frozen)
+                            total_updates=total_updates, trainable=name not in config.schedule.frozen, base=base)
     except Exception as exc:
         raise TrainerStartError(f"agent {name!r} could not start: {describe(exc)}") from exc
 
 
 class LocalTrainers:
-    """Trainers as plain objects in this process; calls run one after another."""
+    """Trainers as plain objects in this process, on their hosts (adapter agents of one host share a base);
+    calls run one after another."""
 
     def __init__(self, config: RunConfig, updates: dict[str, int]):
         import torch
+
+        from agent_trainer.hosts import Host
 
         self.set_threads = torch.set_num_threads
         return_freed_memory()
         self.trainers = {}
         self.threads = {name: num_threads(agent.resources.num_cpus) for name, agent in config.agents.items()}
-        for i, name in enumerate(config.agents):
-            self.set_threads(self.threads[name])
-            self.trainers[name] = start_trainer(name, config, i, updates[name])
+        for host, names in host_layout(config).items():
+            self.set_threads(self.threads[names[0]])
+            self.trainers.update(Host(host, config, updates).trainers)
 
     def call(self, method: str | Callable, kwargs_by_agent: dict[str, dict[str, Any]],
              timeout: float | None = None) -> dict:

@@ -25,6 +25,10 @@ Choices a reviewer should know (they follow trl, verl and SPIRAL unless said oth
 - Generation is the rollout engine's (`agent_trainer.engines`: `hf`, the decode loop on this model; `vllm`,
   a colocated vLLM engine with its own copy of the weights). The engine sleeps during an update and is
   synced with the new weights right after it (`sync_seconds`), and after `load`.
+- Adapter agents (`agent.adapter`, `agent_trainer.adapters`): the model is a peft model with a LoRA adapter per
+  agent on a frozen base that the agents of one host share (`base`); the optimizer holds this agent's adapter
+  only, the KL reference is the base with the adapters off, and save/load write and read the adapter alone.
+  Calls must run inside `adapters.selected` (the trainer pools' `invoke` does), which activates the adapter.
 - Truncated importance sampling (`agent.rollout.tis_cap`, on by default with the vllm engine): the engine's
   behaviour log-probs mu differ from the learner's pi_old for the same weights (kernels, precision). Each
   token's policy-gradient term is multiplied by w = min(exp(log pi_old - log mu), tis_cap), detached, where
@@ -49,7 +53,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from agent_trainer import losses, sampling
+from agent_trainer import adapters, losses, sampling
 from agent_trainer.engines import left_pad, make_engine, model_logps
 from agent_trainer.models import DTYPES, context_problem, load_model, resolve_model_path, source_fingerprint
 from agent_trainer.workers import SingleWorker
@@ -75,14 +79,21 @@ class AgentTrainer:
     """Generates completions for prompts and, unless frozen, updates its policy from scored completions."""
 
     def __init__(self, name: str, agent: AgentConfig, algorithm: AlgorithmConfig, *, seed: int = 0,
-                 total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True):
+                 total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True,
+                 base: adapters.SharedBase | None = None):
+        """`base`: the host's shared base model, for an adapter agent that shares one (None: its own)."""
         self.name, self.agent, self.algorithm, self.trainable = name, agent, algorithm, trainable
         self.total_updates = max(1, total_updates)
         self.device = torch.device(device) if device is not None else pick_device(agent.resources.num_gpus)
         self.compute_dtype = DTYPES[agent.dtype]
         _seed_everything(seed)
-        self.model, self.tokenizer = load_model(agent.model, tokenizer=agent.tokenizer, device=self.device,
-                                                dtype="float32" if trainable else agent.dtype)
+        self.shared = None
+        if agent.adapter is not None:  # the base stays frozen in agent.dtype; the adapter trains in float32
+            self.shared = base if base is not None else adapters.SharedBase()
+            self.model, self.tokenizer = self.shared.attach(name, agent, device=self.device, trainable=trainable)
+        else:
+            self.model, self.tokenizer = load_model(agent.model, tokenizer=agent.tokenizer, device=self.device,
+                                                    dtype="float32" if trainable else agent.dtype)
         self.model.eval()  # dropout off for good: the update trains the policy that sampled
         gen = agent.generation
         problem = context_problem(self.model.config, gen.max_prompt_length, gen.max_completion_length)
@@ -96,7 +107,9 @@ class AgentTrainer:
                                   seed=seed, autocast=self._autocast)
         self.ref_model = self.optimizer = None
         if trainable:
-            if algorithm.beta > 0:
+            if algorithm.beta > 0 and self.shared is not None:
+                self.ref_model = adapters.BaseOnly(self.model)  # the shared base, adapters off: no copy
+            elif algorithm.beta > 0:
                 self.ref_model = copy.deepcopy(self.model).to(self.compute_dtype).requires_grad_(False)
             self._make_optimizer()
         self.workers = SingleWorker()  # agent_trainer.workers.join makes it one of several data-parallel workers
@@ -302,6 +315,8 @@ class AgentTrainer:
         a frozen agent writes nothing else."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        if self.shared is not None:
+            return adapters.save(self, path)
         if self._weights_are_source():
             (path / SOURCE_MARKER).write_text(json.dumps(
                 {"model": self.agent.model, "fingerprint": source_fingerprint(self.agent.model)}))
@@ -332,6 +347,8 @@ class AgentTrainer:
 
     def load(self, path: str | Path) -> CheckpointInfo:
         path = Path(path)
+        if self.shared is not None:
+            return adapters.load(self, path)
         marker = path / SOURCE_MARKER
         if marker.exists():  # the weights are agent.model's
             saved = json.loads(marker.read_text())
@@ -370,7 +387,10 @@ class AgentTrainer:
         self.engine.sync(self.model)
 
     def parameters_digest(self) -> str:
-        """SHA-256 of every parameter's bytes: equal digests mean equal weights."""
+        """SHA-256 of every parameter's bytes: equal digests mean equal weights (an adapter agent's: the base
+        and its own adapter)."""
+        if self.shared is not None:
+            return adapters.parameters_digest(self)
         h = hashlib.sha256()
         for name, p in sorted(self.model.named_parameters()):
             h.update(name.encode())
@@ -380,8 +400,10 @@ class AgentTrainer:
     # ------------------------------------------------------------------------------------ internals
     def _make_optimizer(self) -> None:
         opt = self.agent.optimizer
+        params = (list(adapters.own_parameters(self.model, self.name).values()) if self.shared is not None
+                  else [p for p in self.model.parameters() if p.requires_grad])
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=opt.lr, betas=opt.betas,
+            params, lr=opt.lr, betas=opt.betas,
             weight_decay=opt.weight_decay, fused=True,  # fused kernels on CPU and GPU: ~5x faster steps on CPU
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.compute_dtype == torch.float16)

@@ -6,8 +6,8 @@
 Both train two agents on the `bench_common` task (vs_comlrl.py's; `--prompt-tokens` puts a fixed
 instruction of about that many tokens before each prompt) with the same model files, samples, group,
 new tokens, learning rate and a budget of 2 CPU threads: marsi as `marsi run` would (Ray, one actor
-per agent with 1 thread, a checkpoint at step 0 and at the last step), CoMLRL in one process with 2
-threads. The contenders alternate, `--repeats` runs each, and each figure is the median over runs:
+per agent with 1 thread, a checkpoint at step 0 and at the last step), CoMLRL in one process with
+`--comlrl-threads` threads (2). The contenders alternate, `--repeats` runs each, and each figure is the median over runs:
 
   wall          seconds from starting the process to its exit
   start-up      seconds from starting the process to the first step (imports, Ray, model loads, marsi's
@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="marsi's compute dtype")
     parser.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="marsi's rollout engine")
+    parser.add_argument("--comlrl-threads", type=int, default=2,
+                        help="CoMLRL's torch threads (1 is faster on a busy machine: see benchmarks/README.md)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per contender, alternating")
     parser.add_argument("--only", choices=("marsi", "comlrl"), help="run one contender")
     parser.add_argument("--child", choices=("marsi", "comlrl"), help=argparse.SUPPRESS)
@@ -86,7 +88,7 @@ def measure(name: str, args) -> dict:
         argv = [sys.executable, __file__, "--child", name, "--out", str(out), "--model", args.model,
                 "--steps", str(args.steps), "--batch", str(args.batch), "--group", str(args.group),
                 "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens), "--lr", str(args.lr),
-                "--dtype", args.dtype, "--engine", args.engine]
+                "--dtype", args.dtype, "--engine", args.engine, "--comlrl-threads", str(args.comlrl_threads)]
         start = time.perf_counter()
         proc = subprocess.Popen(argv, cwd=tmp, env={**os.environ, "MARSI_BENCH_START": str(time.time())})
         peak_rss = peak_pss = 0.0
@@ -176,7 +178,7 @@ def run_comlrl(args) -> dict:
     steps, rewards = [], []
     for step in range(args.steps):
         start = time.perf_counter()
-        rewards.extend(runner.train(rows[step * args.batch:(step + 1) * args.batch], threads=2))
+        rewards.extend(runner.train(rows[step * args.batch:(step + 1) * args.batch], threads=args.comlrl_threads))
         steps.append(time.perf_counter() - start)
     return {"ready_s": ready, "step_s": steps, "checkpoint_mb": {}, "reward": rewards}
 

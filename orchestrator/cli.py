@@ -1,4 +1,4 @@
-"""`marsi run | resume | validate | eval | schema | plot`."""
+"""`marsi run | resume | validate | eval | schema | plot | export`."""
 
 from __future__ import annotations
 
@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "B - A with a 95%% confidence interval")
     p.add_argument("--metric", default="reward/mean", help="what --compare compares, per episode: reward/mean (default) "
                    "or episode/KEY (e.g. episode/win in a zero-sum game)")
+    p = sub.add_parser("export", parents=[common],
+                       help="write one agent of a run as a Hugging Face model (an adapter merged into its base)")
+    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("--agent", required=True, help="the agent to export")
+    p.add_argument("--out", required=True, help="a new (or empty) directory for the model")
+    p.add_argument("--checkpoint", default="last", help="last (default) | step-N")
     return parser
 
 
@@ -138,7 +144,7 @@ def cmd_validate(args) -> int:
     from agent_trainer.models import context_problem, model_config
     from orchestrator.coordinator import Coordinator
     from orchestrator.schedule import RoleAssignment, Schedule
-    from protocols.config import ConfigError
+    from protocols.config import ConfigError, host_layout
 
     config = load_config(args.config, args.overrides)
     coordinator = Coordinator(config)  # constructs the environment and checks its roles against the seats
@@ -159,12 +165,18 @@ def cmd_validate(args) -> int:
     acting = _acting_roles(coordinator, env)
     print(f"{args.config}: valid. agents: {', '.join(config.agents)}; roles: {', '.join(env.possible_agents)}; "
           f"{per_step} episodes per step, at most {env.max_turns} turns each")
-    asked = sum(a.resources.num_cpus * a.resources.num_workers for a in config.agents.values())
+    layout = host_layout(config)
+    asked = [config.agents[names[0]].resources for names in layout.values()]
     where = f"joins {joins}; checked when the run starts" if joins else (
         "in-process (ray.enabled false)" if not config.ray.enabled else
         "local cluster: {:g} CPUs, {:g} GPUs".format(*local_resources(config)))
-    print(f"resources: trainers ask for {asked:g} CPUs, "
-          f"{sum(a.resources.num_gpus * a.resources.num_workers for a in config.agents.values()):g} GPUs; {where}")
+    print(f"resources: trainers ask for {sum(r.num_cpus * r.num_workers for r in asked):g} CPUs, "
+          f"{sum(r.num_gpus * r.num_workers for r in asked):g} GPUs; {where}")
+    for (host, names), r in zip(layout.items(), asked):
+        agents = [f"{n} (adapter r={config.agents[n].adapter.rank})" if config.agents[n].adapter else n for n in names]
+        shared = f", one copy of {config.agents[names[0]].model}" if len(names) > 1 else ""
+        workers = f" per worker x {r.num_workers} workers" if r.num_workers > 1 else ""
+        print(f"host {host}: {', '.join(agents)}; {r.num_cpus:g} CPUs, {r.num_gpus:g} GPUs{workers}{shared}")
     if not schedule.trainable:
         print("no agent trains (all are in schedule.frozen): the run plays episodes and logs their rewards only")
     print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "
@@ -292,8 +304,65 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Write an agent's weights at a checkpoint as a plain HF model: an adapter agent's adapter merged into its
+    base (float32), a full-model agent's weights as saved, a frozen agent's source."""
+    import tempfile
+
+    from orchestrator.runlog import RunLog, checkpoint_problem, read_checkpoint_state
+    from protocols.config import ConfigError
+
+    run_dir, out = Path(args.run_dir), Path(args.out)
+    config = load_config(run_dir / "config.yaml", check_imports=False)
+    if args.agent not in config.agents:
+        raise ConfigError(f"--agent {args.agent}: no such agent in {run_dir}; agents: {', '.join(config.agents)}")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out}: not empty; give a new or empty directory")
+    checkpoint = _checkpoint_path(args.checkpoint, RunLog(run_dir))
+    problem = checkpoint_problem(checkpoint)
+    if problem:
+        raise FileNotFoundError(f"checkpoint {checkpoint} is damaged ({problem}); export another with --checkpoint step-N")
+    with tempfile.TemporaryDirectory(prefix="marsi-export-") as tmp:
+        source = checkpoint / "agents" / args.agent
+        if not isinstance(source, Path):  # in train.storage: fetch this agent's files, checked against the manifest
+            from agent_trainer import storage
+
+            prefix = f"agents/{args.agent}/"
+            files = {n[len(prefix):]: d for n, d in read_checkpoint_state(checkpoint)["manifest"].items()
+                     if n.startswith(prefix)}
+            problem = storage.download(source, files, Path(tmp))
+            if problem:
+                raise FileNotFoundError(f"checkpoint {checkpoint}: {prefix}{problem}")
+            source = Path(tmp)
+        model, tokenizer = _exported_model(config.agents[args.agent], source)
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    print(f"marsi: wrote agent {args.agent!r} at {checkpoint.name} to {out} "
+          f"({'adapter merged into ' + config.agents[args.agent].model if config.agents[args.agent].adapter else 'full model'})")
+    return 0
+
+
+def _exported_model(agent, source: Path):
+    """(model, tokenizer) of a checkpoint's agent directory."""
+    from transformers import AutoModelForCausalLM
+
+    from agent_trainer.adapters import ADAPTER_DIR, merged_model
+    from agent_trainer.models import load_model
+
+    if agent.adapter is not None:
+        saved = source / ADAPTER_DIR if (source / ADAPTER_DIR).is_dir() else agent.adapter.path  # frozen: its source
+        if saved is None:
+            return load_model(agent.model, tokenizer=agent.tokenizer)  # a frozen, fresh adapter is the base
+        return merged_model(agent, Path(saved))
+    if (source / "model").is_dir():
+        _, tokenizer = load_model(agent.model, tokenizer=agent.tokenizer)
+        return AutoModelForCausalLM.from_pretrained(source / "model"), tokenizer
+    return load_model(agent.model, tokenizer=agent.tokenizer)  # a frozen agent: its weights are its source's
+
+
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "validate": cmd_validate, "eval": cmd_eval, "schema": cmd_schema,
-            "plot": cmd_plot}
+            "plot": cmd_plot, "export": cmd_export}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -37,9 +37,14 @@ def partner_agents(config: RunConfig) -> dict[str, AgentConfig]:
     for label, held in (config.eval.partners if config.eval else {}).items():
         for agent, weights in held.items():
             if weights != "scripted":
-                model = config.agents[agent].model if weights == "initial" else _model_dir(weights)
-                out[f"{agent}{PARTNER}{label}"] = config.agents[agent].model_copy(
-                    update={"model": model, "resources": config.eval.partner_resources})
+                own = config.agents[agent]
+                update = {"resources": config.eval.partner_resources, "host": None}  # a host of its own
+                if own.adapter is None:
+                    update["model"] = own.model if weights == "initial" else _model_dir(weights)
+                elif weights != "initial":  # the base, with the adapter a checkpoint or adapter directory holds
+                    update["adapter"] = own.adapter.model_copy(update={"path": _adapter_dir(weights)})
+                # initial: the agent's own adapter settings, as it started (a fresh adapter, or adapter.path)
+                out[f"{agent}{PARTNER}{label}"] = own.model_copy(update=update)
     return out
 
 
@@ -48,6 +53,13 @@ def _model_dir(path: str) -> str:
     from pathlib import Path
 
     return str(Path(path) / "model") if (Path(path) / "model" / "config.json").exists() else path
+
+
+def _adapter_dir(path: str) -> str:
+    """A checkpoint's agent directory holds an adapter agent's adapter under `adapter/`; an adapter directory is itself."""
+    from pathlib import Path
+
+    return str(Path(path) / "adapter") if (Path(path) / "adapter" / "adapter_config.json").exists() else path
 
 
 @dataclass

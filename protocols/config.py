@@ -126,6 +126,39 @@ class RolloutConfig(_Strict):
         return self
 
 
+class AdapterConfig(_Strict):
+    """A LoRA adapter (through `peft`): the agent trains only the adapter; its base model stays frozen and may be
+    shared with other adapter agents on one host (see `hosts`)."""
+
+    rank: int = Field(8, ge=1)
+    """LoRA rank r: each adapted weight W gets W + (alpha / r) * B @ A with A (r x in), B (out x r)."""
+    alpha: float = Field(16.0, gt=0.0)
+    """LoRA scaling numerator: the update B @ A is scaled by alpha / rank."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input during updates (sampling never drops); 0: none, so the update trains the
+    policy that sampled."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names (or name suffixes) that get an adapter, e.g. [q_proj, v_proj]; `all-linear`: every linear
+    layer but the output head."""
+    path: str | None = None
+    """Start from this saved adapter (a directory with adapter_config.json: a checkpoint's `agents/NAME/adapter`,
+    or any peft LoRA adapter of this base), relative to the config file; its own settings apply, so rank,
+    alpha, dropout and target_modules are then left out. None: a fresh adapter (B = 0: the agent starts as the
+    base)."""
+
+    def overridden(self) -> list[str]:
+        """Settings given besides `path` (with a value other than the default): a saved adapter has its own."""
+        return sorted(k for k in self.model_fields_set - {"path"}
+                      if getattr(self, k) != type(self).model_fields[k].default)
+
+
+class HostConfig(_Strict):
+    """One process that holds several agents: adapter agents on one shared copy of their base model."""
+
+    resources: ResourcesConfig = ResourcesConfig()
+    """Resources of the host's actor, shared by its agents (their calls run one at a time)."""
+
+
 class AgentConfig(_Strict):
     model: str
     """`builtin:tiny`, `builtin:smollm2-135m-instruct`, a local path, or a hub id."""
@@ -144,6 +177,12 @@ class AgentConfig(_Strict):
     """Resources of the trainer actor."""
     rollout: RolloutConfig = RolloutConfig()
     """The engine that samples completions, and how the update corrects for its log-prob gap."""
+    adapter: AdapterConfig | None = None
+    """Train a LoRA adapter on the frozen model instead of the whole model; None: full fine-tuning."""
+    host: str | None = None
+    """The host (a name in `hosts`) this agent lives in, with the other agents that name it: they share one
+    process and one copy of the base model, each with its own adapter, optimizer and state. None: a host of
+    its own (today's one-agent trainer), with `resources`."""
 
 
 # ----------------------------------------------------------------------------------- environment
@@ -403,6 +442,8 @@ class RunConfig(_Strict):
     """Ray cluster settings."""
     eval: EvalConfig | None = None
     """Held-out evaluation during the run and for `marsi eval`; None: none."""
+    hosts: dict[str, HostConfig] = {}
+    """Host name -> its resources: processes that several adapter agents share (`agents.NAME.host`)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
@@ -439,6 +480,12 @@ class RunConfig(_Strict):
                 raise ValueError(f"agents.{name}.rollout.vllm.sleep_mode: true frees GPU memory during updates, but "
                                  f"agents.{name}.resources.num_gpus is 0 (vLLM has no sleep mode on CPU); set "
                                  f"agents.{name}.rollout.vllm.sleep_mode: false or give the agent a GPU")
+        problem = hosts_problem(self)
+        if problem:
+            raise ValueError(problem)
+        for name, agent in self.agents.items():
+            if agent.host is not None:  # a hosted agent runs on its host's resources
+                agent.resources = self.hosts[agent.host].resources
         seatings = self.roles.seatings()
         for i, seating in enumerate(seatings):
             known(f"roles.cycle.{i}" if self.roles.cycle else "roles.assignment", list(seating.values()))
@@ -490,6 +537,75 @@ class RunConfig(_Strict):
                 f"{distinct} that is at least {2 * distinct}"
             )
         return self
+
+
+def host_layout(config: RunConfig) -> dict[str, list[str]]:
+    """Host name -> the agents it holds, in declaration order: the hosts of `hosts` that agents name, then one
+    host per agent without `host`, named after the agent."""
+    layout: dict[str, list[str]] = {}
+    for name, agent in config.agents.items():
+        layout.setdefault(agent.host or name, []).append(name)
+    return layout
+
+
+_SHARED = ("model", "tokenizer", "dtype")
+"""What the agents of one host must agree on: they share one base model and its tokenizer."""
+
+
+def hosts_problem(config: RunConfig) -> str | None:
+    """Why the agents' hosts do not hold together, naming the keys and the fix, or None."""
+    for name, agent in config.agents.items():
+        if agent.adapter is not None and agent.rollout.engine == "vllm":
+            return (f"agents.{name}.adapter: adapter agents sample with the hf engine (the vllm engine serves full "
+                    f"models only); set agents.{name}.rollout.engine: hf or remove agents.{name}.adapter")
+        if agent.adapter is not None and agent.adapter.path is not None and agent.adapter.overridden():
+            given = agent.adapter.overridden()
+            return (f"agents.{name}.adapter.{given[0]}: the adapter at agents.{name}.adapter.path has its own settings; "
+                    f"remove {', '.join(f'agents.{name}.adapter.{g}' for g in given)} or agents.{name}.adapter.path")
+        if agent.adapter is not None and agent.resources.num_workers > 1:
+            return (f"agents.{name}.resources.num_workers: {agent.resources.num_workers}, but an adapter agent runs on "
+                    f"one worker (its host may hold other agents' adapters); set agents.{name}.resources.num_workers: 1 "
+                    f"or remove agents.{name}.adapter")
+        if agent.adapter is not None and "." in name:
+            return (f"agents.{name}: an adapter agent's name may not contain '.' (its adapter is a module named after "
+                    "it); rename the agent")
+        if agent.host is None:
+            if name in config.hosts:
+                return (f"hosts.{name}: a host may not take the name of agent {name!r}, which has no "
+                        f"agents.{name}.host; rename the host or set agents.{name}.host: {name}")
+            continue
+        if agent.host not in config.hosts:
+            return (f"agents.{name}.host: host {agent.host!r} is not defined; defined hosts: "
+                    f"{', '.join(config.hosts) or '(none)'}; add hosts.{agent.host}: {{resources: ...}}")
+        if "resources" in agent.model_fields_set and agent.resources != config.hosts[agent.host].resources:
+            return (f"agents.{name}.resources: agent {name!r} lives on host {agent.host!r}, whose resources are "
+                    f"hosts.{agent.host}.resources; remove agents.{name}.resources")
+    for host, spec in config.hosts.items():
+        if spec.resources.num_workers > 1:
+            return (f"hosts.{host}.resources.num_workers: {spec.resources.num_workers}, but a shared host runs on one "
+                    f"worker; set hosts.{host}.resources.num_workers: 1 (give a full-model agent of its own host "
+                    "more workers instead)")
+    layout = host_layout(config)
+    for host in config.hosts:
+        if host not in layout:
+            return f"hosts.{host}: no agent names this host (agents.NAME.host: {host}); remove it or place agents on it"
+    for host, names in layout.items():
+        if len(names) < 2:
+            continue
+        plain = [n for n in names if config.agents[n].adapter is None]
+        if plain:
+            return (f"agents.{plain[0]}.adapter: agents on host {host!r} ({', '.join(names)}) share one base model, so "
+                    f"each needs an adapter; give agents.{plain[0]}.adapter, or a host of its own (remove "
+                    f"agents.{plain[0]}.host)")
+        first = config.agents[names[0]]
+        for other in names[1:]:
+            for key in _SHARED:
+                mine, theirs = getattr(first, key), getattr(config.agents[other], key)
+                if mine != theirs:
+                    return (f"agents.{other}.{key}: {theirs!r} differs from agents.{names[0]}.{key} {mine!r}, and both "
+                            f"live on host {host!r}, which holds one base model; make them equal or put "
+                            f"{other!r} on another host")
+    return None
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -673,6 +789,13 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
                     raise ConfigError(f"{source}: agents.{name}.{key}: {str(local)!r} not found; give an existing "
                                       "directory (relative to the config file), a hub id, or a built-in")
                 setattr(agent, key, str(local))
+        adapter = agent.adapter
+        if adapter is not None and adapter.path is not None:
+            local = (base / Path(adapter.path).expanduser()).resolve()
+            if check_imports and not (local / "adapter_config.json").is_file() and not on_cluster:
+                raise ConfigError(f"{source}: agents.{name}.adapter.path: {str(local)!r} holds no adapter_config.json; "
+                                  "give a saved adapter's directory (a checkpoint's agents/NAME/adapter)")
+            adapter.path = str(local)
     if check_imports:
         try:
             import_object(config.environment.name)

@@ -149,3 +149,13 @@ class FaultyEnv(LetterEnv):
 
     def episode_info(self):
         return {"hits": "many"} if self.fault == "info_text" else super().episode_info()
+
+
+class ByteScoreEnv(LetterEnv):
+    """LetterEnv whose shared reward is the first answer byte's value / 255: it varies from the first step on,
+    so even an untrained model's updates move its weights."""
+
+    def step(self, actions):
+        result = super().step(actions)
+        result.reward = sum(text.encode()[0] / 255 if text else 0.0 for text in actions.values()) / len(actions)
+        return result

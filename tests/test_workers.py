@@ -154,6 +154,20 @@ def test_config_refuses_workers_without_ray_and_placement_counts_every_worker():
     with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_gpus: 0\.5 per worker would let two of the 2 "
                                           r"workers of agent 'a' share a GPU, which NCCL refuses"):
         validate_config(raw)
+    raw = raw_config(workers_a=2, ray=True)
+    raw["agents"]["a"]["adapter"] = {"rank": 4}
+    with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_workers: 2, but an adapter agent runs on one "
+                                          r"worker .*; set agents\.a\.resources\.num_workers: 1 or remove "
+                                          r"agents\.a\.adapter"):
+        validate_config(raw)
+    raw = raw_config(ray=True)
+    for name in ("a", "b"):
+        raw["agents"][name].pop("resources", None)
+        raw["agents"][name].update(adapter={"rank": 4}, host="shared")
+    raw["hosts"] = {"shared": {"resources": {"num_cpus": 0.5, "num_workers": 2}}}
+    with pytest.raises(ConfigError, match=r"hosts\.shared\.resources\.num_workers: 2, but a shared host runs on one "
+                                          r"worker; set hosts\.shared\.resources\.num_workers: 1"):
+        validate_config(raw)
     raw = raw_config(workers_a=4, ray=True)
     assert placement_problem(validate_config(raw), 1.0, 0.0, "the Ray cluster") == (
         "agents ask for 1.25 CPUs in all (a: 0.25 x 4 workers, b: 0.25) but the Ray cluster has 1; lower "

@@ -1,0 +1,279 @@
+"""Adapter agents: a LoRA adapter (through `peft`) on a frozen base model that the agents of one host share.
+
+An agent with `agents.NAME.adapter` trains only its adapter. The agents of one host (`agents.NAME.host`) hold
+one `SharedBase`: one copy of the base weights (stored in `agents.NAME.dtype`: nothing of it is trained) in a
+`peft` model with one named adapter per agent. Each agent keeps its own adapter weights (float32), optimizer,
+learning-rate state, update count and RNG state; its calls run one at a time inside `selected`, which makes
+its adapter the active one (the only one in the forward pass, the only one with gradients) and swaps in its
+RNG state.
+
+- **KL reference.** `BaseOnly`: the shared base with the adapters switched off for the forward pass; no copy.
+- **Checkpoints.** `AGENT_DIR/adapter/` (`adapter_model.safetensors`, `adapter_config.json`: the layout
+  `peft` writes, which `PeftModel.from_pretrained(base, AGENT_DIR / "adapter")` loads) and
+  `AGENT_DIR/trainer_state.pt` (optimizer, loss scale, update count, RNG states): never the base. A frozen
+  adapter agent that has not loaded a checkpoint writes only where its weights come from (`frozen.json`).
+- **Dropout.** `adapter.dropout` acts in updates only: sampling and the log-probs it records never drop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+import torch
+
+from agent_trainer.models import load_model, resolve_model_path, source_fingerprint
+from protocols.config import AgentConfig
+from protocols.messages import CheckpointInfo
+
+if TYPE_CHECKING:
+    from agent_trainer.trainer import AgentTrainer
+
+ADAPTER_DIR = "adapter"
+"""An adapter agent's checkpoint holds its adapter here, in peft's layout."""
+SOURCE_MARKER = "source.json"  # as agent_trainer.trainer: a frozen agent names where its weights come from
+
+
+def adapter_name(agent: str) -> str:
+    """The name of agent `agent`'s adapter in the shared peft model (peft refuses names inside `lora_`)."""
+    return f"agent_{agent}"
+
+
+class SharedBase:
+    """One base model and tokenizer for the adapter agents of one host; each agent attaches its own adapter."""
+
+    def __init__(self):
+        self.model = None  # a peft model once the first agent attaches
+        self.tokenizer = None
+        self.source: tuple[str, str | None, str] | None = None  # (model, tokenizer, dtype) every agent must name
+        self.rng_states: dict[str, dict[str, Any]] = {}
+
+    def attach(self, name: str, agent: AgentConfig, *, device: torch.device, trainable: bool):
+        """Add agent `name`'s adapter (fresh, or loaded from `adapter.path`); the shared peft model and tokenizer.
+        The base is loaded by the first agent; its weights never require gradients."""
+        from peft import PeftModel, get_peft_model
+
+        source = (agent.model, agent.tokenizer, agent.dtype)
+        if self.source is not None and source != self.source:
+            raise ValueError(f"agent {name!r}: model {source} differs from the host's base {self.source}; agents "
+                             "of one host share one base model")
+        settings, name = agent.adapter, adapter_name(name)
+        if self.model is None:
+            base, self.tokenizer = load_model(agent.model, tokenizer=agent.tokenizer, device=device, dtype=agent.dtype)
+            base.requires_grad_(False)
+            self.source = source
+            if settings.path is not None:
+                self.model = PeftModel.from_pretrained(base, settings.path, adapter_name=name, is_trainable=trainable)
+            else:
+                self.model = get_peft_model(base, lora_config(agent), adapter_name=name)
+        elif settings.path is not None:
+            self.model.load_adapter(settings.path, adapter_name=name, is_trainable=trainable)
+        else:
+            self.model.add_adapter(name, lora_config(agent))
+        self.model.to(device)
+        for p in self.model.parameters():  # each call makes its agent's adapter trainable (`selected`)
+            p.requires_grad_(False)
+        self.rng_states[name] = _rng_state()  # the agent's own stream starts where its construction left it
+        return self.model, self.tokenizer
+
+
+def lora_config(agent: AgentConfig):
+    from peft import LoraConfig
+
+    a = agent.adapter
+    return LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=a.dropout, bias="none", task_type="CAUSAL_LM",
+                      target_modules=a.target_modules if isinstance(a.target_modules, str) else list(a.target_modules))
+
+
+class BaseOnly:
+    """The shared base with every adapter off: an adapter agent's KL reference, without a copy of the weights."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, **kwargs):
+        with self.model.disable_adapter():
+            return self.model(**kwargs)
+
+
+# ------------------------------------------------------------------------------- switching agents
+@contextlib.contextmanager
+def selected(trainer: AgentTrainer, method: str = "") -> Iterator[None]:
+    """Run one call of an adapter agent: its adapter active (the others out of the forward pass and without
+    gradients), its RNG state in the process, its adapter's dropout on during an update. Full-model agents:
+    nothing changes."""
+    if getattr(trainer.agent, "adapter", None) is None:
+        yield
+        return
+    model, name = trainer.model, adapter_name(trainer.name)
+    model.set_adapter(name)
+    for p in own_parameters(model, trainer.name).values():
+        p.requires_grad_(trainer.trainable)
+    states = trainer.shared.rng_states
+    _set_rng_state(states[name])
+    dropouts = [m.lora_dropout[name] for m in model.modules()
+                if isinstance(getattr(m, "lora_dropout", None), torch.nn.ModuleDict) and name in m.lora_dropout]
+    if method == "update":
+        for d in dropouts:
+            d.train()
+    try:
+        yield
+    finally:
+        for d in dropouts:
+            d.eval()
+        states[name] = _rng_state()
+
+
+def _owner(parameter_name: str) -> str | None:
+    """The adapter a peft parameter belongs to (`...q_proj.lora_A.NAME.weight` -> NAME), or None for the base."""
+    parts = parameter_name.split(".")
+    for i in range(1, len(parts)):
+        if parts[i - 1].startswith("lora_"):
+            return parts[i]
+    return None
+
+
+def own_parameters(model, agent: str) -> dict[str, torch.nn.Parameter]:
+    """Agent `agent`'s adapter parameters in the shared model."""
+    return {n: p for n, p in model.named_parameters() if _owner(n) == adapter_name(agent)}
+
+
+def _digest(named: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for key, p in sorted(named.items()):
+        h.update(key.encode())
+        h.update(p.detach().cpu().float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def parameters_digest(trainer: AgentTrainer) -> str:
+    """SHA-256 of the weights an adapter agent computes with: the base and its own adapter."""
+    named = {n: p for n, p in trainer.model.named_parameters() if _owner(n) in (None, adapter_name(trainer.name))}
+    return _digest(named)
+
+
+def weight_digests(trainer: AgentTrainer) -> dict[str, str]:
+    """SHA-256 of an adapter agent's own adapter and of the base it shares (a function for the trainer pools'
+    `call`); a full-model agent has only a base."""
+    if getattr(trainer.agent, "adapter", None) is None:
+        return {"base": trainer.parameters_digest(), "adapter": ""}
+    base = {n: p for n, p in trainer.model.named_parameters() if _owner(n) is None}
+    return {"base": _digest(base), "adapter": _digest(own_parameters(trainer.model, trainer.name))}
+
+
+# ------------------------------------------------------------------------------------ save / load
+def save(trainer: AgentTrainer, path: Path) -> CheckpointInfo:
+    """The agent's adapter (peft's layout, under `path/adapter`) and trainer state; never the base."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    agent = trainer.agent
+    if not trainer.trainable and not trainer.from_checkpoint:
+        (path / SOURCE_MARKER).write_text(json.dumps(_frozen_source(agent)))
+        return CheckpointInfo(agent=trainer.name, path=str(path), step=trainer.step)
+    weights = get_peft_model_state_dict(trainer.model, adapter_name=adapter_name(trainer.name),
+                                        save_embedding_layers=False)  # the base is never trained: never saved
+    bad = [n for n, p in weights.items() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"agent {trainer.name!r}: {len(bad)} adapter tensors are not finite (first: {bad[0]}); "
+                         "refusing to write a checkpoint from them; the last good checkpoint stays the newest")
+    out = path / ADAPTER_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: p.detach().contiguous().cpu() for n, p in weights.items()}, out / "adapter_model.safetensors",
+              metadata={"format": "pt"})
+    config = copy.deepcopy(trainer.model.peft_config[adapter_name(trainer.name)])
+    config.base_model_name_or_path = resolve_model_path(agent.model)
+    config.inference_mode = True
+    config.save_pretrained(out)
+    torch.save({
+        "optimizer": trainer.optimizer.state_dict() if trainer.optimizer else None,
+        "scaler": trainer.scaler.state_dict() if trainer.optimizer else None, "step": trainer.step,
+        "rng": _rng_state(),
+    }, path / "trainer_state.pt")
+    return CheckpointInfo(agent=trainer.name, path=str(path), step=trainer.step)
+
+
+def load(trainer: AgentTrainer, path: Path) -> CheckpointInfo:
+    """Load the agent's adapter and trainer state saved by `save` into the shared model, in place."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    name = trainer.name
+    marker = path / SOURCE_MARKER
+    if marker.exists():
+        saved, now = json.loads(marker.read_text()), _frozen_source(trainer.agent)
+        if saved != now:
+            raise ValueError(f"agent {name!r} is frozen and its checkpoint {path} refers to {saved['model']!r} with "
+                             f"adapter {saved.get('adapter')!r}, which have changed since; restore those weights or "
+                             "start a new run")
+        return CheckpointInfo(agent=name, path=str(path), step=trainer.step)
+    adapter_dir = path / ADAPTER_DIR
+    if not (adapter_dir / "adapter_model.safetensors").is_file():
+        raise ValueError(f"agent {name!r} is an adapter agent but its checkpoint {path} holds no "
+                         f"{ADAPTER_DIR}/adapter_model.safetensors (was it saved by a full-model agent?); resume "
+                         "with the run's agents.NAME.adapter setting")
+    weights = load_file(adapter_dir / "adapter_model.safetensors", device=str(trainer.device))
+    with torch.no_grad():
+        result = set_peft_model_state_dict(trainer.model, weights, adapter_name=adapter_name(name))
+    unexpected = [k for k in result.unexpected_keys if _owner(k) is not None]
+    if unexpected:
+        raise ValueError(f"agent {name!r}: the adapter in {adapter_dir} does not fit agents.{name}.adapter "
+                         f"({len(unexpected)} unexpected tensors, first {unexpected[0]}); resume with its settings")
+    trainer.from_checkpoint = True
+    trainer.engine.sync(trainer.model)
+    state = torch.load(path / "trainer_state.pt", weights_only=False)
+    trainer.step = state["step"]
+    if trainer.trainable:
+        trainer._make_optimizer()
+        if state.get("optimizer") is not None:
+            trainer.optimizer.load_state_dict(state["optimizer"])
+            trainer.scaler.load_state_dict(state["scaler"])
+    _set_rng_state(state["rng"])  # `selected` keeps it as this agent's on the way out
+    return CheckpointInfo(agent=name, path=str(path), step=trainer.step)
+
+
+def _frozen_source(agent: AgentConfig) -> dict[str, Any]:
+    path = agent.adapter.path
+    adapter = {} if path is None else {str(f.relative_to(path)): [f.stat().st_size, f.stat().st_mtime_ns]
+                                       for f in sorted(Path(path).rglob("*")) if f.is_file()}
+    return {"model": agent.model, "fingerprint": source_fingerprint(agent.model), "adapter": path,
+            "adapter_fingerprint": adapter}
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+# ----------------------------------------------------------------------------------------- export
+def merged_model(agent: AgentConfig, adapter_dir: Path):
+    """The base with the saved adapter at `adapter_dir` merged into its weights (float32): a plain HF model,
+    and the base's tokenizer. An adapter on the output head or the input embedding of a model that ties the
+    two unties them first (merging into the shared matrix would change both)."""
+    from peft import PeftModel
+
+    base, tokenizer = load_model(agent.model, tokenizer=agent.tokenizer, dtype="float32")
+    targets = json.loads((adapter_dir / "adapter_config.json").read_text()).get("target_modules") or []
+    targets = {targets} if isinstance(targets, str) else set(targets)
+    embeddings = {n.rsplit(".", 1)[-1] for n, m in base.named_modules()
+                  if m is base.get_output_embeddings() or m is base.get_input_embeddings()}
+    if getattr(base.config, "tie_word_embeddings", False) and targets & embeddings:
+        head = base.get_output_embeddings()
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        base.config.tie_word_embeddings = False
+    model = PeftModel.from_pretrained(base, adapter_dir)
+    return model.merge_and_unload(), tokenizer

@@ -1,0 +1,259 @@
+"""Adapter agents on shared hosts, on the real tiny model: isolation of adapters, KL against the base,
+checkpoints that plain peft loads, export, Ray hosts restarted whole with exact resume, config errors."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent_trainer import adapters
+from agent_trainer.group import invoke
+from agent_trainer.losses import group_relative_advantages
+from agent_trainer.models import resolve_model_path
+from agent_trainer.trainer import AgentTrainer
+from orchestrator.coordinator import Coordinator
+from orchestrator.runlog import RunLog
+from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, validate_config
+from protocols.messages import Experience, GenerateRequest, UpdateRequest
+from tests.envs import HERE, config
+from tests.runs import rows, without_times
+
+AGENTS = ("a", "b", "c")
+STEPS = 4
+
+
+def shared_host_config(**sections) -> dict:
+    """a, b and c: adapter agents on one host; a and b train in turn, c is frozen; the reward varies from the start."""
+    raw = config(agents=AGENTS, environment={"name": f"{HERE / 'envs.py'}:ByteScoreEnv"},
+                 hosts={"h": {"resources": {"num_cpus": 0.5}}},
+                 schedule={"kind": "pattern", "pattern": [["a"], ["b"]], "frozen": ["c"]},
+                 algorithm={"beta": 0.1}, **sections)
+    for name in AGENTS:
+        agent = raw["agents"][name]
+        del agent["resources"]
+        agent.update(host="h", adapter={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "down_proj", "lm_head"]},
+                     optimizer={"lr": 1e-2})
+    return raw
+
+
+def digests(coord) -> dict[str, dict[str, str]]:
+    return coord.trainers.call(adapters.weight_digests, {a: {} for a in AGENTS})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted in-process run with a checkpoint every step, and each step's weight digests."""
+    run_dir = tmp_path_factory.mktemp("adapters")
+    raw = shared_host_config(train={"steps": STEPS, "checkpoint_every": 1, "keep_checkpoints": 5})
+    steps = []
+    with Coordinator(validate_config(raw), run_dir) as coord:
+        trainers = coord.trainers.trainers
+        assert trainers["a"].model is trainers["b"].model is trainers["c"].model  # one copy of the base
+        steps.append(digests(coord))
+        for step in range(1, STEPS + 1):
+            coord.run(until=step)
+            steps.append(digests(coord))
+    return run_dir, steps, without_times(rows(run_dir))
+
+
+def test_an_update_changes_only_its_agents_adapter_never_the_base_or_another_adapter(reference):
+    _, steps, metrics = reference
+    assert len({d["base"] for s in steps for d in s.values()}) == 1  # the shared base never moves
+    for step, (before, after) in enumerate(zip(steps, steps[1:]), start=1):
+        trained = metrics[step - 1]["trained"]
+        assert trained == ["ab"[(step - 1) % 2]]  # the pattern alternates a, b
+        changed = [a for a in AGENTS if before[a]["adapter"] != after[a]["adapter"]]
+        assert changed == trained, f"step {step}"
+    assert steps[0]["c"] == steps[-1]["c"]  # the frozen adapter agent
+    # KL against the base with the adapters off: 0 at a's first update (B = 0), positive once its adapter moved
+    assert metrics[0]["kl/a"] == pytest.approx(0.0, abs=1e-7) and metrics[2]["kl/a"] > 0
+
+
+def test_checkpoint_holds_adapters_only_loads_with_peft_and_exports_a_merged_model(reference, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from agent_trainer.engines import model_logps
+    from orchestrator.cli import main
+
+    run_dir, _, _ = reference
+    checkpoint = RunLog(run_dir).latest_checkpoint()
+    saved = checkpoint / "agents" / "a"
+    assert sorted(p.name for p in saved.iterdir()) == ["adapter", "trainer_state.pt"]  # no base weights
+    base_bytes = (Path(resolve_model_path("builtin:tiny")) / "model.safetensors").stat().st_size
+    assert (saved / "adapter" / "adapter_model.safetensors").stat().st_size < base_bytes / 10
+    assert (checkpoint / "agents" / "c" / "frozen.json").exists()
+    config = validate_config(shared_host_config())
+    trainer = AgentTrainer("a", config.agents["a"], config.algorithm)
+    invoke(trainer, "load", {"path": saved})
+    prompts, completions = [[10, 20, 30], [40, 50]], [[60, 70], [80]]
+    experiences = [Experience(prompt_ids=p, completion_ids=c, advantage=0.0) for p, c in zip(prompts, completions)]
+    trained = flat(invoke(trainer, "score", {"experiences": experiences}))
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny"))
+    untrained = flat(model_logps(base, prompts, completions, "cpu"))
+    assert max(abs(x - y) for x, y in zip(trained, untrained)) > 1e-4  # the adapter moved the agent off its base
+    with_peft = PeftModel.from_pretrained(base, saved / "adapter").eval()
+    assert flat(model_logps(with_peft, prompts, completions, "cpu")) == pytest.approx(trained, abs=1e-6)
+    assert main(["export", str(run_dir), "--agent", "a", "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert flat(model_logps(merged, prompts, completions, "cpu")) == pytest.approx(trained, abs=1e-5)
+    with pytest.raises(ConfigError, match=r"--out .*merged: not empty; give a new or empty directory"):
+        cmd_export(run_dir, "a", tmp_path / "merged")
+    with pytest.raises(ConfigError, match=rf"--agent zed: no such agent in {run_dir}; agents: a, b, c"):
+        cmd_export(run_dir, "zed", tmp_path / "other")
+
+
+def test_a_frozen_agent_on_the_host_can_play_a_saved_adapter(reference):
+    """A frozen judge from a checkpoint's adapter (adapter.path) joins the host: no extra base, the saved policy."""
+    from agent_trainer.hosts import Host
+
+    run_dir, _, _ = reference
+    saved = RunLog(run_dir).latest_checkpoint() / "agents" / "a"
+    raw = shared_host_config()
+    raw["agents"]["c"]["adapter"] = {"path": str(saved / "adapter")}
+    config = validate_config(raw)
+    host = Host("h", config, {a: 1 for a in AGENTS})
+    trained = AgentTrainer("a", validate_config(shared_host_config()).agents["a"], config.algorithm)
+    invoke(trained, "load", {"path": saved})
+    experiences = [Experience(prompt_ids=[10, 20, 30], completion_ids=[60, 70], advantage=0.0)]
+    judge = flat(host.call("c", "score", {"experiences": experiences}))
+    assert judge == pytest.approx(flat(invoke(trained, "score", {"experiences": experiences})), abs=1e-6)
+    assert flat(host.call("a", "score", {"experiences": experiences})) != judge  # a starts afresh on the base
+    assert host.trainers["c"].model is host.trainers["a"].model
+    with pytest.raises(ValueError, match="agent 'c' is frozen"):
+        host.call("c", "update", {"request": UpdateRequest(experiences=experiences)})
+
+
+def cmd_export(run_dir, agent, out):
+    from argparse import Namespace
+
+    from orchestrator.cli import cmd_export
+
+    return cmd_export(Namespace(run_dir=str(run_dir), agent=agent, out=str(out), checkpoint="last"))
+
+
+def flat(rows: list[list[float]]) -> list[float]:
+    return [x for row in rows for x in row]
+
+
+def test_killed_host_restarts_once_with_all_its_agents_and_resumes_exactly(ray_cluster, tmp_path, reference):
+    raw = shared_host_config(train={"steps": STEPS, "checkpoint_every": 1, "keep_checkpoints": 5})
+    raw["ray"]["enabled"] = True
+    with Coordinator(validate_config(raw), tmp_path) as coord:
+        pids = {a: i["pid"] for a, i in coord.trainers.info().items()}
+        assert len(set(pids.values())) == 1 and sorted(pids) == list(AGENTS)  # one process for the three
+
+        def kill_mid_run():
+            while coord.state.step < 2:
+                time.sleep(0.01)
+            os.kill(pids["a"], signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_mid_run)
+        killer.start()
+        coord.run()
+        killer.join()
+        assert coord.restarts == 1
+        after = {a: i["pid"] for a, i in coord.trainers.info().items()}
+        assert len(set(after.values())) == 1 and after["a"] != pids["a"]
+    assert without_times(rows(tmp_path)) == reference[2]
+
+
+def test_an_adapter_agent_learns_to_say_the_named_letter():
+    """The plain loop of test_trainer on a LoRA adapter (every linear layer and the output head, as the adapter
+    demo): mean reward rises from near 0 to the level of one letter right (README: on this random tiny model an
+    adapter learns less than full fine-tuning, which trains the embedding too)."""
+    torch.set_num_threads(1)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+    agent = AgentConfig(model="builtin:tiny", generation={"max_completion_length": 2}, optimizer={"lr": 1e-2},
+                        adapter={"rank": 8, "alpha": 16, "target_modules": targets})
+    trainer = AgentTrainer("a", agent, AlgorithmConfig())
+    rng, letters, G, B = random.Random(0), "abcd", 8, 8
+    curve = []
+    for step in range(40):
+        letters_asked = [rng.choice(letters) for _ in range(B)]
+        prompts = [f"Say {t}" for t in letters_asked for _ in range(G)]
+        result = invoke(trainer, "generate", {"request": GenerateRequest(prompts=prompts, seed=step)})
+        rewards = torch.tensor([float(c.text[:1] == p[-1]) for c, p in zip(result.completions, prompts)])
+        advantages = group_relative_advantages(rewards, torch.arange(B * G) // G)
+        exps = [Experience(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, advantage=a,
+                           old_per_token_logps=c.per_token_logps) for c, a in zip(result.completions, advantages.tolist())]
+        invoke(trainer, "update", {"request": UpdateRequest(experiences=exps)})
+        curve.append(rewards.mean().item())
+    start, end = sum(curve[:10]) / 10, sum(curve[-10:]) / 10
+    print("reward curve (mean per 10 steps):", [round(sum(curve[i:i + 10]) / 10, 2) for i in range(0, 40, 10)])
+    assert start < 0.05 and end > 0.15
+
+
+def test_validate_prints_who_lives_where(tmp_path, capsys):
+    from orchestrator.cli import main
+    from tests.runs import write
+
+    assert main(["validate", str(write(tmp_path, shared_host_config())), "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "host h: a (adapter r=4), b (adapter r=4), c (adapter r=4); 0.5 CPUs, 0 GPUs, one copy of builtin:tiny" in out
+
+
+def _edit(change):
+    raw = shared_host_config()
+    change(raw)
+    return raw
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r["agents"]["b"].pop("adapter"),
+     "agents.b.adapter: agents on host 'h' (a, b, c) share one base model, so each needs an adapter; give "
+     "agents.b.adapter, or a host of its own (remove agents.b.host)"),
+    (lambda r: r["agents"]["c"].update(dtype="bfloat16"),
+     "agents.c.dtype: 'bfloat16' differs from agents.a.dtype 'float32', and both live on host 'h', which holds one "
+     "base model; make them equal or put 'c' on another host"),
+    (lambda r: r["agents"]["a"].update(host="nowhere"),
+     "agents.a.host: host 'nowhere' is not defined; defined hosts: h; add hosts.nowhere: {resources: ...}"),
+    (lambda r: r["agents"]["a"].update(resources={"num_cpus": 2}),
+     "agents.a.resources: agent 'a' lives on host 'h', whose resources are hosts.h.resources; remove "
+     "agents.a.resources"),
+    (lambda r: r["hosts"].update(spare={}),
+     "hosts.spare: no agent names this host (agents.NAME.host: spare); remove it or place agents on it"),
+    (lambda r: r["agents"]["a"].update(rollout={"engine": "vllm"}),
+     "agents.a.adapter: adapter agents sample with the hf engine (the vllm engine serves full models only); set "
+     "agents.a.rollout.engine: hf or remove agents.a.adapter"),
+    (lambda r: r["agents"]["a"].update(adapter={"rank": 4, "path": "/tmp"}),
+     "agents.a.adapter.rank: the adapter at agents.a.adapter.path has its own settings; remove "
+     "agents.a.adapter.rank or agents.a.adapter.path"),
+    (lambda r: r["agents"]["a"].update(adapter={"path": "/"}),
+     "agents.a.adapter.path: '/' holds no adapter_config.json; give a saved adapter's directory (a checkpoint's "
+     "agents/NAME/adapter)"),
+    (lambda r: (r["agents"].update({"c.d": r["agents"].pop("c")}), r["roles"]["assignment"].update(r2="c.d"),
+                r["schedule"].update(frozen=["c.d"])),
+     "agents.c.d: an adapter agent's name may not contain '.' (its adapter is a module named after it); rename the "
+     "agent"),
+    (lambda r: (r["agents"]["a"].pop("host"), r["hosts"].update(a={})),
+     "hosts.a: a host may not take the name of agent 'a', which has no agents.a.host; rename the host or set "
+     "agents.a.host: a"),
+])
+def test_bad_host_and_adapter_settings_are_one_line_errors(change, message):
+    with pytest.raises(ConfigError) as info:
+        validate_config(_edit(change), source="run.yaml")
+    assert str(info.value) == f"run.yaml: {message}"
+
+
+def test_evaluation_partners_of_adapter_agents_get_a_host_of_their_own(tmp_path):
+    from orchestrator.evaluation import partner_agents
+
+    saved = tmp_path / "step-000004" / "agents" / "a"
+    (saved / "adapter").mkdir(parents=True)
+    (saved / "adapter" / "adapter_config.json").write_text("{}")
+    raw = shared_host_config(eval={"data": {"factory": f"{HERE / 'envs.py'}:held_out"},
+                                   "partners": {"first": {"b": "initial"}, "saved": {"a": str(saved)}}})
+    partners = partner_agents(validate_config(raw))
+    assert sorted(partners) == ["a@saved", "b@first"]
+    for partner in partners.values():
+        assert partner.host is None and partner.resources.num_cpus == 0.1
+    assert partners["b@first"].adapter.path is None and partners["b@first"].adapter.rank == 4
+    assert partners["a@saved"].adapter.path == str(saved / "adapter")
