@@ -11,7 +11,7 @@ RNG state.
 - **Checkpoints.** `AGENT_DIR/adapter/` (`adapter_model.safetensors`, `adapter_config.json`: the layout
   `peft` writes, which `PeftModel.from_pretrained(base, AGENT_DIR / "adapter")` loads) and
   `AGENT_DIR/trainer_state.pt` (optimizer, loss scale, update count, RNG states): never the base. A frozen
-  adapter agent that has not loaded a checkpoint writes only where its weights come from (`frozen.json`).
+  adapter agent that has not loaded a checkpoint writes only where its weights come from (`source.json`).
 - **Dropout.** `adapter.dropout` acts in updates only: sampling and the log-probs it records never drop.
 """
 

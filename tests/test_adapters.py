@@ -15,9 +15,9 @@ import torch
 
 from agent_trainer import adapters
 from agent_trainer.group import invoke
-from agent_trainer.losses import group_relative_advantages
 from agent_trainer.models import resolve_model_path
 from agent_trainer.trainer import AgentTrainer
+from orchestrator.advantages import group_relative_advantages
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunLog
 from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, validate_config
@@ -89,7 +89,7 @@ def test_checkpoint_holds_adapters_only_loads_with_peft_and_exports_a_merged_mod
     assert sorted(p.name for p in saved.iterdir()) == ["adapter", "trainer_state.pt"]  # no base weights
     base_bytes = (Path(resolve_model_path("builtin:tiny")) / "model.safetensors").stat().st_size
     assert (saved / "adapter" / "adapter_model.safetensors").stat().st_size < base_bytes / 10
-    assert (checkpoint / "agents" / "c" / "frozen.json").exists()
+    assert (checkpoint / "agents" / "c" / "source.json").exists()
     config = validate_config(shared_host_config())
     trainer = AgentTrainer("a", config.agents["a"], config.algorithm)
     invoke(trainer, "load", {"path": saved})
@@ -180,12 +180,12 @@ def test_an_adapter_agent_learns_to_say_the_named_letter():
         letters_asked = [rng.choice(letters) for _ in range(B)]
         prompts = [f"Say {t}" for t in letters_asked for _ in range(G)]
         result = invoke(trainer, "generate", {"request": GenerateRequest(prompts=prompts, seed=step)})
-        rewards = torch.tensor([float(c.text[:1] == p[-1]) for c, p in zip(result.completions, prompts)])
-        advantages = group_relative_advantages(rewards, torch.arange(B * G) // G)
+        rewards = [float(c.text[:1] == p[-1]) for c, p in zip(result.completions, prompts)]
+        advantages = group_relative_advantages(rewards, [i // G for i in range(B * G)])
         exps = [Experience(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, advantage=a,
-                           old_per_token_logps=c.per_token_logps) for c, a in zip(result.completions, advantages.tolist())]
+                           old_per_token_logps=c.per_token_logps) for c, a in zip(result.completions, advantages)]
         invoke(trainer, "update", {"request": UpdateRequest(experiences=exps)})
-        curve.append(rewards.mean().item())
+        curve.append(sum(rewards) / len(rewards))
     start, end = sum(curve[:10]) / 10, sum(curve[-10:]) / 10
     print("reward curve (mean per 10 steps):", [round(sum(curve[i:i + 10]) / 10, 2) for i in range(0, 40, 10)])
     assert start < 0.05 and end > 0.15
