@@ -32,4 +32,4 @@ demo: setup
 	$(BIN)/marsi run examples/demo/config.yaml
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -32,11 +33,12 @@ def test_answers_a_chat_prompt_sensibly(trainer):
     assert all("paris" in c.text.lower() for c in result.completions), [c.text for c in result.completions]
 
 
-def test_converted_model_saves_and_loads_plainly(trainer, tmp_path):
-    trainer.save(tmp_path)
-    config = json.loads((tmp_path / "model" / "config.json").read_text())
-    assert "quantization_config" not in config
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "model").config.vocab_size == 49152
+def test_converted_model_loads_plainly_and_a_first_checkpoint_names_it(trainer, tmp_path):
+    converted = Path(resolve_model_path("builtin:smollm2-135m-instruct"))
+    assert "quantization_config" not in json.loads((converted / "config.json").read_text())
+    assert AutoModelForCausalLM.from_pretrained(converted).config.vocab_size == 49152
+    trainer.save(tmp_path)  # no update yet (the first test of this module): the checkpoint names the model
+    assert json.loads((tmp_path / "source.json").read_text())["model"] == "builtin:smollm2-135m-instruct"
 
 
 def test_one_update_runs(trainer):
