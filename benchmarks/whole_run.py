@@ -14,7 +14,7 @@ per agent with 1 thread, a checkpoint at step 0 and at the last step), CoMLRL in
                 step-0 checkpoint)
   s/step        median seconds per training step
   RSS, PSS      peak over the run of the summed resident / proportional set size of the process and all its
-                descendants (driver, Ray's processes, trainer actors), sampled every 0.2 s; PSS splits pages
+                descendants (driver, Ray's processes, trainer actors), sampled every second; PSS splits pages
                 shared between processes (libraries, Ray's object store), so it adds up to what the tree costs
   ckpt MB       disk of each marsi checkpoint (step 0, last step); CoMLRL writes none in its loop
 
@@ -102,12 +102,17 @@ def measure(name: str, args) -> dict:
                 for (label, _), (r, p) in processes.items():
                     total = by_process.setdefault(label, [0, 0.0, 0.0])
                     total[0], total[1], total[2] = total[0] + 1, total[1] + r, total[2] + p
-            time.sleep(0.2)
+            time.sleep(SAMPLE_EVERY_S)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             raise SystemExit(f"{name} run failed with exit status {proc.returncode}")
         return {**json.loads(out.read_text()), "wall_s": wall, "rss_mb": peak_rss, "pss_mb": peak_pss,
                 "by_process": by_process}
+
+
+SAMPLE_EVERY_S = 1.0
+"""Reading a large process's smaps_rollup walks its page tables: sampled more often, the sampler itself took
+a noticeable share of the 2 cores from the contenders (marsi's SmolLM2 steps read 19 s at 0.2 s, 13 s at 1 s)."""
 
 
 def tree_memory_mb(root: int) -> dict[tuple[str, int], tuple[float, float]]:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import yaml
@@ -31,3 +34,18 @@ def rows(run_dir) -> list[dict]:
 
 def without_times(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
+
+
+def run_killing(coord, pid: int, at_step: int) -> list[dict]:
+    """`coord.run()` while another thread SIGKILLs process `pid` once the run has done `at_step` steps."""
+    def kill_mid_run():
+        while coord.state.step < at_step:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_mid_run)
+    killer.start()
+    try:
+        return coord.run()
+    finally:
+        killer.join()

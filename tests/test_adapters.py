@@ -3,11 +3,7 @@ checkpoints that plain peft loads, export, Ray hosts restarted whole with exact 
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +19,7 @@ from orchestrator.runlog import RunLog
 from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, validate_config
 from protocols.messages import Experience, GenerateRequest, UpdateRequest
 from tests.envs import HERE, config
-from tests.runs import rows, without_times
+from tests.runs import rows, without_times, run_killing
 
 AGENTS = ("a", "b", "c")
 STEPS = 4
@@ -150,15 +146,7 @@ def test_killed_host_restarts_once_with_all_its_agents_and_resumes_exactly(ray_c
         pids = {a: i["pid"] for a, i in coord.trainers.info().items()}
         assert len(set(pids.values())) == 1 and sorted(pids) == list(AGENTS)  # one process for the three
 
-        def kill_mid_run():
-            while coord.state.step < 2:
-                time.sleep(0.01)
-            os.kill(pids["a"], signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_mid_run)
-        killer.start()
-        coord.run()
-        killer.join()
+        run_killing(coord, pids["a"], at_step=2)
         assert coord.restarts == 1
         after = {a: i["pid"] for a, i in coord.trainers.info().items()}
         assert len(set(after.values())) == 1 and after["a"] != pids["a"]

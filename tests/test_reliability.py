@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import threading
 import time
 
 import pytest
@@ -14,7 +12,7 @@ from orchestrator.coordinator import Coordinator, RunFailed
 from orchestrator.runlog import RunLog, checkpoint_problem
 from protocols.config import validate_config
 from tests.envs import config
-from tests.runs import MARSI, rows, without_times, write
+from tests.runs import MARSI, rows, without_times, write, run_killing
 
 STEPS = 4
 
@@ -38,15 +36,7 @@ def test_killed_trainer_is_restarted_and_the_run_ends_as_if_uninterrupted(ray_cl
     with Coordinator(validate_config(raw), tmp_path) as coord:
         victim = coord.trainers.info()["b"]["pid"]
 
-        def kill_mid_run():
-            while coord.state.step < 2:
-                time.sleep(0.01)
-            os.kill(victim, signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_mid_run)
-        killer.start()
-        coord.run()
-        killer.join()
+        run_killing(coord, victim, at_step=2)
         assert coord.restarts == 1
         assert coord.trainers.info()["b"]["pid"] != victim
     metrics = rows(tmp_path)

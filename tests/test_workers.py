@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 
 import pytest
 import torch
@@ -18,7 +14,7 @@ from protocols.config import ConfigError, validate_config
 from protocols.messages import UpdateRequest
 from tests.dp_workers import REQUEST, VARIANTS, die_in_a_collective, experiences, make_trainer, worker
 from tests.envs import config
-from tests.runs import rows, without_times
+from tests.runs import rows, without_times, run_killing
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +110,7 @@ def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_on
         assert len({w["pid"] for w in group}) == 2
         victim = group[1]["pid"]
 
-        def kill_mid_run():
-            while coord.state.step < 1:
-                time.sleep(0.01)
-            os.kill(victim, signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_mid_run)
-        killer.start()
-        coord.run()
-        killer.join()
+        run_killing(coord, victim, at_step=1)
         assert coord.restarts == 1
         assert victim not in {w["pid"] for w in coord.trainers.info()["a"]["workers"]}
         # a worker that dies while its peer waits in a collective: the peer's error is the death, not a bug
