@@ -796,6 +796,11 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
                 raise ConfigError(f"{source}: agents.{name}.adapter.path: {str(local)!r} holds no adapter_config.json; "
                                   "give a saved adapter's directory (a checkpoint's agents/NAME/adapter)")
             adapter.path = str(local)
+            if config.algorithm.beta > 0 and name not in config.schedule.frozen:
+                raise ConfigError(f"{source}: agents.{name}.adapter.path: a trainable adapter agent's KL reference is its "
+                                  f"base with adapters off, not the saved adapter it starts from, so algorithm.beta "
+                                  f"{config.algorithm.beta:g} would pull it back to the base; set algorithm.beta: 0, or "
+                                  "freeze it (schedule.frozen), or start from a fresh adapter")
     if check_imports:
         try:
             import_object(config.environment.name)

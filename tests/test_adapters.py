@@ -217,6 +217,11 @@ def _edit(change):
     (lambda r: r["agents"]["a"].update(adapter={"path": "/"}),
      "agents.a.adapter.path: '/' holds no adapter_config.json; give a saved adapter's directory (a checkpoint's "
      "agents/NAME/adapter)"),
+    (lambda r: (r["agents"]["a"].update(adapter={"path": str(HERE / "fixtures" / "adapter")}),
+                r.setdefault("algorithm", {}).update(beta=0.1)),
+     "agents.a.adapter.path: a trainable adapter agent's KL reference is its base with adapters off, not the saved "
+     "adapter it starts from, so algorithm.beta 0.1 would pull it back to the base; set algorithm.beta: 0, or freeze "
+     "it (schedule.frozen), or start from a fresh adapter"),
     (lambda r: (r["agents"].update({"c.d": r["agents"].pop("c")}), r["roles"]["assignment"].update(r2="c.d"),
                 r["schedule"].update(frozen=["c.d"])),
      "agents.c.d: an adapter agent's name may not contain '.' (its adapter is a module named after it); rename the "
