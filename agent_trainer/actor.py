@@ -106,13 +106,11 @@ def node_label(node_id: str) -> str:
 
 class RayTrainers:
     """One Ray actor per host worker; `call` fans out to all named agents' workers, then gathers once.
-    `workers[agent]` lists the actors of an agent's host in worker order; `actors[agent]` is its worker 0.
+    `workers[agent]` lists the actors of an agent's host in worker order.
     Agents of one host are served by one actor, one call at a time; its death is a failure of each of them."""
 
     def __init__(self, config: RunConfig, updates: dict[str, int]):
-        from agent_trainer.group import TrainerStartError, num_threads
-
-        from agent_trainer.group import placement_problem
+        from agent_trainer.group import TrainerStartError, num_threads, placement_problem
 
         total = ray.cluster_resources()
         problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), "the Ray cluster")
@@ -147,7 +145,6 @@ class RayTrainers:
                 ).remote(host, config, updates, num_threads(r.num_cpus)))
                 bundle += 1
             self.workers.update(dict.fromkeys(layout[host], group))
-        self.actors = {name: group[0] for name, group in self.workers.items()}
         self.housemates = {agent: agents for agents in layout.values() for agent in agents}
         try:  # waits until every trainer is up, then joins each agent's workers into one group
             info = self.info(timeout=config.train.start_timeout_s)
@@ -271,7 +268,6 @@ class RayTrainers:
         for actor in {id(a): a for group in self.workers.values() for a in group}.values():
             ray.kill(actor)
         self.workers.clear()
-        self.actors.clear()
         remove_placement_group(self.pg)
 
 

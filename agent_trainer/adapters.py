@@ -21,13 +21,12 @@ import contextlib
 import copy
 import hashlib
 import json
-import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-import numpy as np
 import torch
 
+from agent_trainer import rng
 from agent_trainer.models import load_model, resolve_model_path, source_fingerprint
 from protocols.config import AgentConfig
 from protocols.messages import CheckpointInfo
@@ -79,7 +78,7 @@ class SharedBase:
         self.model.to(device)
         for p in self.model.parameters():  # each call makes its agent's adapter trainable (`selected`)
             p.requires_grad_(False)
-        self.rng_states[name] = _rng_state()  # the agent's own stream starts where its construction left it
+        self.rng_states[name] = rng.capture()  # the agent's own stream starts where its construction left it
         return self.model, self.tokenizer
 
 
@@ -116,7 +115,7 @@ def selected(trainer: AgentTrainer, method: str = "") -> Iterator[None]:
     for p in own_parameters(model, trainer.name).values():
         p.requires_grad_(trainer.trainable)
     states = trainer.shared.rng_states
-    _set_rng_state(states[name])
+    rng.restore(states[name])
     dropouts = [m.lora_dropout[name] for m in model.modules()
                 if isinstance(getattr(m, "lora_dropout", None), torch.nn.ModuleDict) and name in m.lora_dropout]
     if method == "update":
@@ -127,7 +126,7 @@ def selected(trainer: AgentTrainer, method: str = "") -> Iterator[None]:
     finally:
         for d in dropouts:
             d.eval()
-        states[name] = _rng_state()
+        states[name] = rng.capture()
 
 
 def _owner(parameter_name: str) -> str | None:
@@ -144,7 +143,8 @@ def own_parameters(model, agent: str) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if _owner(n) == adapter_name(agent)}
 
 
-def _digest(named: dict[str, torch.Tensor]) -> str:
+def digest(named: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of named tensors' names and bytes: equal digests mean equal weights."""
     h = hashlib.sha256()
     for key, p in sorted(named.items()):
         h.update(key.encode())
@@ -155,7 +155,7 @@ def _digest(named: dict[str, torch.Tensor]) -> str:
 def parameters_digest(trainer: AgentTrainer) -> str:
     """SHA-256 of the weights an adapter agent computes with: the base and its own adapter."""
     named = {n: p for n, p in trainer.model.named_parameters() if _owner(n) in (None, adapter_name(trainer.name))}
-    return _digest(named)
+    return digest(named)
 
 
 def weight_digests(trainer: AgentTrainer) -> dict[str, str]:
@@ -164,7 +164,7 @@ def weight_digests(trainer: AgentTrainer) -> dict[str, str]:
     if getattr(trainer.agent, "adapter", None) is None:
         return {"base": trainer.parameters_digest(), "adapter": ""}
     base = {n: p for n, p in trainer.model.named_parameters() if _owner(n) is None}
-    return {"base": _digest(base), "adapter": _digest(own_parameters(trainer.model, trainer.name))}
+    return {"base": digest(base), "adapter": digest(own_parameters(trainer.model, trainer.name))}
 
 
 # ------------------------------------------------------------------------------------ save / load
@@ -191,11 +191,7 @@ def save(trainer: AgentTrainer, path: Path) -> CheckpointInfo:
     config.base_model_name_or_path = resolve_model_path(agent.model)
     config.inference_mode = True
     config.save_pretrained(out)
-    torch.save({
-        "optimizer": trainer.optimizer.state_dict() if trainer.optimizer else None,
-        "scaler": trainer.scaler.state_dict() if trainer.optimizer else None, "step": trainer.step,
-        "rng": _rng_state(),
-    }, path / "trainer_state.pt")
+    trainer._save_state(path)
     return CheckpointInfo(agent=trainer.name, path=str(path), step=trainer.step)
 
 
@@ -227,36 +223,14 @@ def load(trainer: AgentTrainer, path: Path) -> CheckpointInfo:
                          f"({len(unexpected)} unexpected tensors, first {unexpected[0]}); resume with its settings")
     trainer.from_checkpoint = True
     trainer.engine.sync(trainer.model)
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
-    trainer.step = state["step"]
-    if trainer.trainable:
-        trainer._make_optimizer()
-        if state.get("optimizer") is not None:
-            trainer.optimizer.load_state_dict(state["optimizer"])
-            trainer.scaler.load_state_dict(state["scaler"])
-    _set_rng_state(state["rng"])  # `selected` keeps it as this agent's on the way out
+    trainer._load_state(path)  # its RNG state: `selected` keeps it as this agent's on the way out
     return CheckpointInfo(agent=name, path=str(path), step=trainer.step)
 
 
 def _frozen_source(agent: AgentConfig) -> dict[str, Any]:
     path = agent.adapter.path
-    adapter = {} if path is None else {str(f.relative_to(path)): [f.stat().st_size, f.stat().st_mtime_ns]
-                                       for f in sorted(Path(path).rglob("*")) if f.is_file()}
     return {"model": agent.model, "fingerprint": source_fingerprint(agent.model), "adapter": path,
-            "adapter_fingerprint": adapter}
-
-
-def _rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def _set_rng_state(rng: dict[str, Any]) -> None:
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    if rng.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+            "adapter_fingerprint": source_fingerprint(path) if path else {}}
 
 
 # ----------------------------------------------------------------------------------------- export

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import math
 import random
@@ -53,7 +52,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from agent_trainer import adapters, losses, sampling
+from agent_trainer import adapters, losses, rng, sampling
 from agent_trainer.engines import left_pad, make_engine, model_logps
 from agent_trainer.models import DTYPES, context_problem, load_model, resolve_model_path, source_fingerprint
 from agent_trainer.workers import SingleWorker
@@ -338,12 +337,22 @@ class AgentTrainer:
         return self.step == 0 and not self.from_checkpoint
 
     def _save_state(self, path: Path) -> None:
+        """Optimizer, loss scale, update count and RNGs: `path/trainer_state.pt`."""
         torch.save({
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-            "scaler": self.scaler.state_dict() if self.optimizer else None, "step": self.step,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+            "scaler": self.scaler.state_dict() if self.optimizer else None, "step": self.step, "rng": rng.capture(),
         }, path / "trainer_state.pt")
+
+    def _load_state(self, path: Path) -> None:
+        """What `_save_state` wrote; a fresh optimizer where it was saved while frozen."""
+        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.step = state["step"]
+        if self.trainable:
+            self._make_optimizer()
+            if state.get("optimizer") is not None:  # None: saved while frozen; a fresh optimizer starts here
+                self.optimizer.load_state_dict(state["optimizer"])
+                self.scaler.load_state_dict(state["scaler"])
+        rng.restore(state["rng"])
 
     def load(self, path: str | Path) -> CheckpointInfo:
         path = Path(path)
@@ -366,19 +375,7 @@ class AgentTrainer:
         else:
             self._set_weights(AutoModelForCausalLM.from_pretrained(path / "model", dtype=self.model.dtype))
             self.from_checkpoint = True
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
-        self.step = state["step"]
-        if self.trainable:
-            self._make_optimizer()
-            if state.get("optimizer") is not None:  # None: saved while frozen; a fresh optimizer starts here
-                self.optimizer.load_state_dict(state["optimizer"])
-                self.scaler.load_state_dict(state["scaler"])
-        rng = state["rng"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        self._load_state(path)
         return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
 
     def _set_weights(self, model) -> None:
@@ -391,11 +388,7 @@ class AgentTrainer:
         and its own adapter)."""
         if self.shared is not None:
             return adapters.parameters_digest(self)
-        h = hashlib.sha256()
-        for name, p in sorted(self.model.named_parameters()):
-            h.update(name.encode())
-            h.update(p.detach().cpu().float().numpy().tobytes())
-        return h.hexdigest()
+        return adapters.digest(dict(self.model.named_parameters()))
 
     # ------------------------------------------------------------------------------------ internals
     def _make_optimizer(self) -> None:

@@ -49,3 +49,13 @@ def run_killing(coord, pid: int, at_step: int) -> list[dict]:
         return coord.run()
     finally:
         killer.join()
+
+
+def uninterrupted_rows(config, run_dir) -> list[dict]:
+    """The metrics of a whole run of `config` (a RunConfig) in `run_dir`, times left out: what an interrupted,
+    restarted or resumed run must end with."""
+    from orchestrator.coordinator import Coordinator
+
+    with Coordinator(config, run_dir) as coord:
+        coord.run()
+    return without_times(rows(run_dir))

@@ -3,7 +3,6 @@ checkpoints that plain peft loads, export, Ray hosts restarted whole with exact 
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,11 @@ from agent_trainer import adapters
 from agent_trainer.group import invoke
 from agent_trainer.models import resolve_model_path
 from agent_trainer.trainer import AgentTrainer
-from orchestrator.advantages import group_relative_advantages
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunLog
 from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, validate_config
-from protocols.messages import Experience, GenerateRequest, UpdateRequest
+from protocols.messages import Experience, UpdateRequest
+from tests.loops import say_the_letter_curve
 from tests.envs import HERE, config
 from tests.runs import rows, without_times, run_killing
 
@@ -162,21 +161,9 @@ def test_an_adapter_agent_learns_to_say_the_named_letter():
     agent = AgentConfig(model="builtin:tiny", generation={"max_completion_length": 2}, optimizer={"lr": 1e-2},
                         adapter={"rank": 8, "alpha": 16, "target_modules": targets})
     trainer = AgentTrainer("a", agent, AlgorithmConfig())
-    rng, letters, G, B = random.Random(0), "abcd", 8, 8
-    curve = []
-    for step in range(40):
-        letters_asked = [rng.choice(letters) for _ in range(B)]
-        prompts = [f"Say {t}" for t in letters_asked for _ in range(G)]
-        result = invoke(trainer, "generate", {"request": GenerateRequest(prompts=prompts, seed=step)})
-        rewards = [float(c.text[:1] == p[-1]) for c, p in zip(result.completions, prompts)]
-        advantages = group_relative_advantages(rewards, [i // G for i in range(B * G)])
-        exps = [Experience(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, advantage=a,
-                           old_per_token_logps=c.per_token_logps) for c, a in zip(result.completions, advantages)]
-        invoke(trainer, "update", {"request": UpdateRequest(experiences=exps)})
-        curve.append(sum(rewards) / len(rewards))
-    start, end = sum(curve[:10]) / 10, sum(curve[-10:]) / 10
-    print("reward curve (mean per 10 steps):", [round(sum(curve[i:i + 10]) / 10, 2) for i in range(0, 40, 10)])
-    assert start < 0.05 and end > 0.15
+    curve = say_the_letter_curve(lambda r: invoke(trainer, "generate", {"request": r}),
+                                 lambda r: invoke(trainer, "update", {"request": r}), 40)
+    assert sum(curve[:10]) / 10 < 0.05 and sum(curve[-10:]) / 10 > 0.15
 
 
 def test_validate_prints_who_lives_where(tmp_path, capsys):

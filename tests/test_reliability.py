@@ -12,7 +12,7 @@ from orchestrator.coordinator import Coordinator, RunFailed
 from orchestrator.runlog import RunLog, checkpoint_problem
 from protocols.config import validate_config
 from tests.envs import config
-from tests.runs import MARSI, rows, without_times, write, run_killing
+from tests.runs import MARSI, rows, without_times, write, run_killing, uninterrupted_rows
 
 STEPS = 4
 
@@ -24,10 +24,7 @@ def raw_config(**train):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """Metrics of the reference run: same seed, no interruption (in-process trainers)."""
-    run_dir = tmp_path_factory.mktemp("whole")
-    with Coordinator(validate_config(raw_config()), run_dir) as coord:
-        coord.run()
-    return without_times(rows(run_dir))
+    return uninterrupted_rows(validate_config(raw_config()), tmp_path_factory.mktemp("whole"))
 
 
 def test_killed_trainer_is_restarted_and_the_run_ends_as_if_uninterrupted(ray_cluster, tmp_path, uninterrupted):

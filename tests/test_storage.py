@@ -16,7 +16,7 @@ from orchestrator.coordinator import Coordinator, ResumeError, check_resume
 from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, read_checkpoint_state
 from protocols.config import ConfigError, validate_config
 from tests.envs import config
-from tests.runs import rows, without_times
+from tests.runs import rows, without_times, uninterrupted_rows
 
 STEPS = 4
 
@@ -28,10 +28,7 @@ def raw_config(**train):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Metrics of the run with checkpoints in the run directory."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    with Coordinator(validate_config(raw_config()), run_dir) as coord:
-        coord.run()
-    return without_times(rows(run_dir))
+    return uninterrupted_rows(validate_config(raw_config()), tmp_path_factory.mktemp("reference"))
 
 
 @pytest.fixture

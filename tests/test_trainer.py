@@ -1,15 +1,14 @@
 """AgentTrainer on the real built-in tiny model: generate, update, save/load, and learning."""
 
 import math
-import random
 
 import pytest
 import torch
 
 from agent_trainer.trainer import AgentTrainer
-from orchestrator.advantages import group_relative_advantages
 from protocols.config import AgentConfig, AlgorithmConfig
 from protocols.messages import Experience, GenerateRequest, UpdateRequest
+from tests.loops import say_the_letter_curve
 
 
 def make_trainer(seed=0, *, lr=1e-3, beta=0.0, micro_batch_size=16, max_completion_length=4, **alg):
@@ -162,19 +161,8 @@ def test_plain_loop_learns_to_say_the_named_letter():
     """Group of 8 completions per prompt, group-relative advantages: mean reward rises from near 0 to > 0.7."""
     torch.set_num_threads(1)
     trainer = make_trainer(max_completion_length=2)
-    rng, letters, G, B = random.Random(0), "abcd", 8, 8
-    curve = []
-    for step in range(100):
-        targets = [rng.choice(letters) for _ in range(B)]
-        prompts = [f"Say {t}" for t in targets for _ in range(G)]
-        result = trainer.generate(GenerateRequest(prompts=prompts, seed=step))
-        rewards = [float(c.text[:1] == p[-1]) for c, p in zip(result.completions, prompts)]
-        advantages = group_relative_advantages(rewards, [i // G for i in range(B * G)])
-        trainer.update(UpdateRequest(experiences=experiences(result, advantages)))
-        curve.append(sum(rewards) / len(rewards))
-    start, end = sum(curve[:10]) / 10, sum(curve[-10:]) / 10
-    print("reward curve (mean per 10 steps):", [round(sum(curve[i:i + 10]) / 10, 2) for i in range(0, 100, 10)])
-    assert start < 0.2 and end > 0.7
+    curve = say_the_letter_curve(trainer.generate, trainer.update, 100)
+    assert sum(curve[:10]) / 10 < 0.2 and sum(curve[-10:]) / 10 > 0.7
 
 
 def test_trainer_processes_give_freed_tensors_back_to_the_system():

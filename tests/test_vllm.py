@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup installs it)")
 
 from agent_trainer.trainer import AgentTrainer  # noqa: E402
-from orchestrator.advantages import group_relative_advantages  # noqa: E402
+from tests.loops import say_the_letter_curve  # noqa: E402
 from orchestrator.coordinator import Coordinator  # noqa: E402
 from protocols.config import AgentConfig, AlgorithmConfig, RolloutConfig, validate_config  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
@@ -121,20 +120,9 @@ def test_a_plain_loop_learns_with_the_vllm_engine():
     torch.set_num_threads(1)
     trainer = make_trainer(lr=1e-3, generation={"max_completion_length": 2})
     try:
-        rng, letters, G, B = random.Random(0), "abcd", 8, 8
-        curve = []
-        for step in range(100):
-            targets = [rng.choice(letters) for _ in range(B)]
-            prompts = [f"Say {t}" for t in targets for _ in range(G)]
-            result = trainer.generate(GenerateRequest(prompts=prompts, seed=step))
-            rewards = [float(c.text[:1] == p[-1]) for c, p in zip(result.completions, prompts)]
-            advantages = group_relative_advantages(rewards, [i // G for i in range(B * G)])
-            trainer.update(UpdateRequest(experiences=[Experience.from_completion(c, a) for c, a in
-                                                      zip(result.completions, advantages)]))
-            curve.append(sum(rewards) / len(rewards))
+        curve = say_the_letter_curve(trainer.generate, trainer.update, 100)
     finally:
         trainer.close()
-    print("reward curve (mean per 10 steps):", [round(sum(curve[i:i + 10]) / 10, 2) for i in range(0, 100, 10)])
     assert sum(curve[:10]) / 10 < 0.2 and sum(curve[-10:]) / 10 > 0.7
 
 

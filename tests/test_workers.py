@@ -14,7 +14,7 @@ from protocols.config import ConfigError, validate_config
 from protocols.messages import UpdateRequest
 from tests.dp_workers import REQUEST, VARIANTS, die_in_a_collective, experiences, make_trainer, worker
 from tests.envs import config
-from tests.runs import rows, without_times, run_killing
+from tests.runs import rows, without_times, run_killing, uninterrupted_rows
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +97,7 @@ def assert_same_metrics(metrics, reference):
 @pytest.fixture(scope="module")
 def one_worker_each(tmp_path_factory):
     """Metrics of the reference run: every agent on one worker, in-process, STEPS + 2 steps."""
-    run_dir = tmp_path_factory.mktemp("one-worker-each")
-    with Coordinator(validate_config(raw_config(steps=STEPS + 2)), run_dir) as coord:
-        coord.run()
-    return without_times(rows(run_dir))
+    return uninterrupted_rows(validate_config(raw_config(steps=STEPS + 2)), tmp_path_factory.mktemp("one-worker-each"))
 
 
 def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_one(ray_cluster, tmp_path,
