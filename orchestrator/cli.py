@@ -345,7 +345,7 @@ def cmd_export(args) -> int:
 
 def _exported_model(agent, source: Path):
     """(model, tokenizer) of a checkpoint's agent directory."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agent_trainer.adapters import ADAPTER_DIR, merged_model
     from agent_trainer.models import load_model
@@ -355,10 +355,9 @@ def _exported_model(agent, source: Path):
         if saved is None:
             return load_model(agent.model, tokenizer=agent.tokenizer)  # a frozen, fresh adapter is the base
         return merged_model(agent, Path(saved))
-    if (source / "model").is_dir():
-        _, tokenizer = load_model(agent.model, tokenizer=agent.tokenizer)
-        return AutoModelForCausalLM.from_pretrained(source / "model"), tokenizer
-    return load_model(agent.model, tokenizer=agent.tokenizer)  # a frozen agent: its weights are its source's
+    if (source / "model").is_dir():  # the trainer saved its tokenizer beside the weights
+        return AutoModelForCausalLM.from_pretrained(source / "model"), AutoTokenizer.from_pretrained(source / "model")
+    return load_model(agent.model, tokenizer=agent.tokenizer)  # no update yet (source.json): the model's own weights
 
 
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "validate": cmd_validate, "eval": cmd_eval, "schema": cmd_schema,

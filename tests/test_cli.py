@@ -197,3 +197,28 @@ def test_quiet_ray_startup_drops_only_the_token_notice():
     finally:
         logger.removeHandler(handler)
     assert seen == ["Token authentication is disabled for thi"]
+
+
+def test_export_writes_a_full_model_agents_weights_at_the_last_checkpoint_and_its_model_at_step_0(tmp_path):
+    """A full-model agent's step-0 checkpoint names its model (source.json); export then writes that model.
+    A later checkpoint holds the trained weights; export writes exactly those, with their tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agent_trainer.adapters import digest
+    from orchestrator.coordinator import Coordinator
+    from protocols.config import validate_config
+
+    from tests.envs import HERE
+
+    raw = config(train={"steps": 2, "checkpoint_every": 2}, environment={"name": f"{HERE / 'envs.py'}:ByteScoreEnv"})
+    with Coordinator(validate_config(raw), tmp_path / "run") as coord:
+        initial = coord.parameters_digests()["a"]
+        coord.run()
+        trained = coord.parameters_digests()["a"]
+    assert initial != trained
+    for checkpoint, expected in (("step-000000", initial), ("last", trained)):
+        out = tmp_path / checkpoint
+        assert main(["export", str(tmp_path / "run"), "--agent", "a", "--out", str(out), "--checkpoint", checkpoint]) == 0
+        assert digest(dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())) == expected
+        assert AutoTokenizer.from_pretrained(out).encode("Say a") == AutoTokenizer.from_pretrained(
+            tmp_path / "run" / "checkpoints" / "step-000002" / "agents" / "a" / "model").encode("Say a")
