@@ -48,6 +48,13 @@ def worker(rank, ports, batch, results):
         learner.workers = workers.DataParallel(rank, 2, learner.device)
         result = learner.update(UpdateRequest(experiences=batch))
         updates.append(({n: p.detach().numpy().copy() for n, p in learner.model.named_parameters()}, result))
+    learner = make_trainer()  # last: worker 1 alone computes a non-finite loss (its weights are NaN)
+    learner.workers = workers.DataParallel(rank, 2, learner.device)
+    if rank == 1:
+        with torch.no_grad():
+            learner.model.get_input_embeddings().weight.fill_(float("nan"))
+    result = learner.update(UpdateRequest(experiences=batch))
+    updates.append(({n: p.detach().numpy().copy() for n, p in learner.model.named_parameters()}, result))
     results.put((rank, completions, updates))
 
 

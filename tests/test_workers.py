@@ -35,6 +35,14 @@ def two_workers():
     return single, batch, got
 
 
+def test_a_non_finite_loss_on_one_worker_skips_the_step_on_every_worker(two_workers):
+    _, _, got = two_workers
+    (params0, result0), (_, result1) = got[0][1][len(VARIANTS)], got[1][1][len(VARIANTS)]
+    assert result0.skipped_steps == result1.skipped_steps == 1
+    for name, p in make_trainer().model.named_parameters():  # worker 0's weights did not move
+        assert (params0[name] == p.detach().numpy()).all(), name
+
+
 def test_shares_are_contiguous_and_cover_every_row():
     assert [workers.share(7, r, 2) for r in range(2)] == [(0, 4), (4, 7)]
     assert [workers.share(2, r, 3) for r in range(3)] == [(0, 1), (1, 2), (2, 2)]
