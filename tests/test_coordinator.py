@@ -159,3 +159,13 @@ def test_the_coordinator_process_imports_no_torch_or_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.stdout.strip() == "[]"
+
+
+def test_visible_gpus_are_counted_as_ray_counts_them(monkeypatch):
+    from agent_trainer.group import visible_gpus
+
+    for visible, count in (("0,1", 2), ("3", 1), ("", 0), ("-1", 0)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert visible_gpus() == count, visible
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert visible_gpus() == (len(os.listdir("/proc/driver/nvidia/gpus")) if os.path.isdir("/proc/driver/nvidia/gpus") else 0)
