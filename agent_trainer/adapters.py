@@ -96,9 +96,11 @@ class BaseOnly:
     def __init__(self, model):
         self.model = model
 
-    def __call__(self, **kwargs):
+    def forward(self, **kwargs):
         with self.model.disable_adapter():
             return self.model(**kwargs)
+
+    __call__ = forward
 
 
 # ------------------------------------------------------------------------------- switching agents

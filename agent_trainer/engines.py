@@ -80,7 +80,9 @@ class HFEngine:
                  seed: int, first_row: int = 0, total_rows: int | None = None) -> list[Rollout]:
         ids, mask = left_pad(prompt_ids, self.pad_id, self.device)
         generator = torch.Generator(self.device).manual_seed(seed)
-        with torch.inference_mode(), self.autocast():
+        # no_grad, not inference_mode: autocast casts each weight once per call only outside inference mode
+        # (measured on SmolLM2, bf16: 114 ms per decode step under no_grad, 202 ms under inference_mode)
+        with torch.no_grad(), self.autocast():
             completion_ids, lengths, per_token_logps = sampling.sample(
                 self.model, ids, mask, temperature=temperature, top_k=self.top_k, top_p=self.top_p,
                 max_new_tokens=max_new_tokens, stop_ids=self.stop_ids, pad_id=self.pad_id, generator=generator,

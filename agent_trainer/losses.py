@@ -16,9 +16,9 @@ Shapes: B sequences, T completion tokens (padded), V vocabulary.
 - `aggregate_loss`: `token` averages over every completion token of the whole batch (DAPO, Yu et
   al., 2025), normalised by the batch's total tokens so gradient accumulation over micro-batches gives
   the same gradient as one big batch; `sequence` averages per sequence then over sequences (GRPO).
-- Log-probs and entropies are those of the sampling distribution: the trainer passes logits through
-  `agent_trainer.sampling.sampling_logits` (temperature, top-k, top-p; -inf outside the kept set)
-  before `selective_log_softmax` / `entropy_from_logits`.
+- Log-probs and entropies are those of the sampling distribution: the trainer takes them from
+  `agent_trainer.sampling.token_logps` (temperature, top-k, top-p; -inf for a cut candidate), whose
+  candidate logits go to `entropy_from_logits`.
 """
 
 from __future__ import annotations
@@ -33,12 +33,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     if dim is None:
         return (values * mask).sum() / mask.sum().clamp(min=1.0)
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
-
-
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(B, T) log-softmax of (B, T, V) `logits` gathered at (B, T) `index`, without a (B, T, V) log-softmax copy."""
-    picked = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    return picked - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -3,61 +3,92 @@
 One definition serves generation and the update: a token's sampling distribution is
 softmax(logits / temperature), cut to the `top_k` most likely tokens, then to the smallest set whose
 mass reaches `top_p` (the order transformers and vLLM apply them), renormalised over the tokens kept.
-`sampling_logits` returns it as logits with -inf outside the kept set, so the behaviour log-probs
-stored at generation and the log-probs the update trains describe the same distribution. Nothing
-else acts on sampling: a model's own `generation_config.json` (repetition penalty, no-repeat n-grams,
-min_p, typical_p, ...) is never consulted; only its end-of-sequence ids are used, to stop.
+`candidates` returns it as the candidates' logits (-inf where cut) and ids, and `token_logps` gives a
+token's log-prob under it, so the behaviour log-probs stored at generation and the log-probs the
+update trains describe the same distribution. With top-k on, only the K >= top_k candidates are
+carried past the top-k selection, so the softmax, entropy and their gradients cost K columns, not V.
+Nothing else acts on sampling: a model's own `generation_config.json` (repetition penalty, no-repeat
+n-grams, min_p, typical_p, ...) is never consulted; only its end-of-sequence ids are used, to stop.
 
-`sample` runs the decode loop itself (prefill, then one token at a time with the KV cache) and keeps
-one log-prob per sampled token: it never holds (B, T, V) logits. It draws each token by the exponential
-race (argmax of p / q with q ~ Exp(1), what `torch.multinomial` does for one sample), with the noise of
-every row of the whole request drawn from its seed: a row samples the same tokens whichever share of the
-request (rows `first_row` onward) a worker of a data-parallel agent decodes.
+`sample` runs the decode loop itself (each distinct prompt prefilled once, `agent_trainer.shared_prompts`,
+then one token at a time with the KV cache) and keeps one log-prob per sampled token: it never holds
+(B, T, V) logits. It draws each token by the exponential race (argmax of p / q over the candidates, with
+q = -log u ~ Exp(1) from a float64 uniform u per vocabulary token: what `torch.multinomial` does for one
+sample), with the uniforms of every row of the whole request drawn from its seed: a row samples the same
+tokens whichever share of the request (rows `first_row` onward) a worker of a data-parallel agent decodes.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
+
+from agent_trainer import shared_prompts
 
 _CHUNK_ELEMENTS = 1 << 24  # rows of logits truncated at once: bounds the sort's temporaries to ~200 MB
 
 
-def sampling_logits(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: int = 0, top_p: float = 1.0,
-                    keep: torch.Tensor | None = None) -> torch.Tensor:
-    """(..., V) `logits / temperature` with every token outside the top-k / top-p set at -inf.
+def candidates(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: int = 0,
+               top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sampling distribution of (..., V) `logits` as (..., K) float32 candidate logits, `logits / temperature`
+    with -inf for a candidate that top-k or top-p cuts, and (..., K) the candidates' token ids.
 
-    `keep` (...) holds token ids that stay in the set whatever their rank: the update passes the sampled
-    tokens, so a token sampled from the set is never given log-prob -inf because of numerics that differ
-    slightly from generation's (or, with num_iterations > 1, because the policy moved)."""
-    logits = logits / temperature
-    if top_k <= 0 and top_p >= 1.0:
-        return logits
+    With `top_k` off the candidates are the whole vocabulary in order (ids None). With `top_k` on they are the
+    K tokens at or above the k-th largest logit (ties at the k-th value are kept, so K >= top_k), in
+    descending order: everything after this works on K columns instead of V."""
+    V = logits.size(-1)
+    if not 0 < top_k < V:
+        values = logits.float() / temperature
+        if top_p >= 1.0:
+            return values, None
+        with torch.no_grad():
+            removed = _top_p_removed(values.detach(), top_p)  # (..., V) bool
+        return values.masked_fill(removed, float("-inf")), None
     with torch.no_grad():
-        removed = truncated_tokens(logits.detach(), top_k, top_p)  # (..., V) bool
-        if keep is not None:
-            removed.scatter_(-1, keep.unsqueeze(-1), False)
-    return logits.masked_fill(removed, float("-inf"))
+        kth = logits.detach().topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
+        width = int((logits.detach() >= kth).sum(-1).max())  # the most candidates any row keeps
+    raw, ids = logits.topk(width, dim=-1)  # (..., K), descending
+    values = (raw.float() / temperature).masked_fill(raw < kth, float("-inf"))
+    if top_p < 1.0:
+        with torch.no_grad():
+            probs = values.detach().softmax(-1)
+            removed = probs.cumsum(-1) - probs >= top_p  # the mass of the candidates ranked above reaches top_p
+        values = values.masked_fill(removed, float("-inf"))
+    return values, ids
 
 
-def truncated_tokens(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """(..., V) bool: the tokens top-k and then top-p remove (ties at the k-th value are kept)."""
-    shape, V = logits.shape, logits.size(-1)
-    flat = logits.reshape(-1, V)
+def _top_p_removed(values: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(..., V) bool: the tokens outside the smallest set, taken in descending order, whose mass reaches top_p."""
+    shape, V = values.shape, values.size(-1)
+    flat = values.reshape(-1, V)
     removed = torch.zeros_like(flat, dtype=torch.bool)
     rows = max(1, _CHUNK_ELEMENTS // V)
     for i in range(0, flat.size(0), rows):
-        chunk, out = flat[i:i + rows], removed[i:i + rows]
-        if 0 < top_k < V:
-            kth = torch.topk(chunk, top_k, dim=-1).values[:, -1:]  # (N, 1)
-            out |= chunk < kth
-        if top_p < 1.0:
-            ordered, order = torch.sort(chunk.masked_fill(out, float("-inf")), dim=-1, descending=True)
-            probs = ordered.softmax(-1)
-            mass_before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each one
-            out |= torch.zeros_like(out).scatter_(-1, order, mass_before >= top_p)
+        ordered, order = torch.sort(flat[i:i + rows], dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each one
+        removed[i:i + rows].scatter_(-1, order, mass_before >= top_p)
     return removed.reshape(shape)
+
+
+def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float | torch.Tensor, top_k: int = 0,
+                top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(...) log-prob of each of the (...) `tokens` under the sampling distribution of the (..., V) `logits`, and
+    the (..., K') candidate logits it is normalised over (for the entropy).
+
+    The token itself is always a candidate, whatever its rank: the update passes the sampled tokens, so a
+    token sampled from the set is never given log-prob -inf because of numerics that differ slightly from
+    generation's (or, with num_iterations > 1, because the policy moved)."""
+    values, ids = candidates(logits, temperature, top_k, top_p)
+    index = tokens.unsqueeze(-1)  # (..., 1)
+    picked = logits.gather(-1, index).float() / temperature  # (..., 1) the token's tempered logit
+    if ids is None:
+        values = values.scatter(-1, index, picked)  # back in if top-p cut it
+    else:
+        is_token = ids == index  # (..., K)
+        values = torch.where(is_token, picked, values)  # back in if top-p cut it
+        outside = picked.masked_fill(is_token.any(-1, keepdim=True), float("-inf"))  # ranked below the candidates
+        values = torch.cat([values, outside], dim=-1)  # (..., K + 1)
+    return picked.squeeze(-1) - values.logsumexp(-1), values
 
 
 def stop_token_ids(tokenizer, model) -> list[int]:
@@ -82,41 +113,39 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
     (0 after a row's stop, and 0 throughout when greedy)."""
     B, device = prompt_ids.size(0), prompt_ids.device
     total_rows = B if total_rows is None else total_rows
-    cache_arg = _cache_argument(model)
+    cache_arg = shared_prompts.cache_argument(model)
     stop = torch.tensor(stop_ids, device=device)
+    distinct_ids, distinct_mask, index = shared_prompts.distinct_rows(prompt_ids, prompt_mask)
+    logits, cache = shared_prompts.prefill(model, distinct_ids, distinct_mask, index)  # (B, 1, V): each prompt once
     attention_mask = prompt_mask
-    position_ids = (prompt_mask.cumsum(1) - 1).clamp(min=0)  # left padding: every row starts at position 0
-    input_ids, cache = prompt_ids, None
+    position_ids = shared_prompts.positions(prompt_mask)[:, -1:]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
     tokens, logps = [], []
     for t in range(max_new_tokens):
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    use_cache=True, logits_to_keep=1, **{cache_arg: cache})
-        cache = out[cache_arg]
         if temperature == 0:  # greedy: a point mass on the most likely token, whose log-prob is 0
-            token = out.logits[:, -1, :].argmax(-1).masked_fill(done, pad_id)  # (B,)
+            token = logits[:, -1, :].argmax(-1).masked_fill(done, pad_id)  # (B,)
             token_logp = torch.zeros(B, device=device)
         else:
-            logp = sampling_logits(out.logits[:, -1, :].float(), temperature, top_k, top_p).log_softmax(-1)  # (B, V)
-            noise = torch.empty(total_rows, logp.size(1), device=device).exponential_(generator=generator)  # (N, V)
-            race = logp.exp() / noise[first_row:first_row + B]  # (B, V)
-            token = race.argmax(-1).masked_fill(done, pad_id)  # (B,)
-            token_logp = logp.gather(1, token.unsqueeze(1)).squeeze(1).masked_fill(done, 0.0)  # (B,)
+            values, ids = candidates(logits[:, -1, :], temperature, top_k, top_p)  # (B, K)
+            logp = values.log_softmax(-1)  # (B, K)
+            uniform = torch.empty(total_rows, logits.size(-1), dtype=torch.float64, device=device)
+            uniform = uniform.uniform_(generator=generator)[first_row:first_row + B]  # (B, V): one per token
+            noise = -(uniform if ids is None else uniform.gather(1, ids)).log()  # (B, K) ~ Exp(1)
+            pick = (logp.exp() / noise).argmax(-1)  # (B,): the exponential race
+            token = (pick if ids is None else ids.gather(1, pick.unsqueeze(1)).squeeze(1)).masked_fill(done, pad_id)
+            token_logp = logp.gather(1, pick.unsqueeze(1)).squeeze(1).masked_fill(done, 0.0)  # (B,)
         tokens.append(token)
         logps.append(token_logp)
         stopped = ~done & torch.isin(token, stop)
         lengths = torch.where(stopped, t + 1, lengths)
         done |= stopped
-        if bool(done.all()):
+        if bool(done.all()) or t + 1 == max_new_tokens:
             break
-        input_ids = token.unsqueeze(1)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
-        position_ids = position_ids[:, -1:] + 1
+        position_ids = position_ids + 1
+        out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=position_ids,
+                    use_cache=True, logits_to_keep=1, **{cache_arg: cache})
+        logits, cache = out.logits, out[cache_arg]
     return torch.stack(tokens, 1), lengths, torch.stack(logps, 1)
 
-
-def _cache_argument(model) -> str:
-    """The KV-cache keyword of this model's forward: `cache` in newer transformers 5 releases, else `past_key_values`."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"

@@ -46,13 +46,14 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from agent_trainer import adapters, losses, rng, sampling
+from agent_trainer import adapters, losses, rng, sampling, shared_prompts
 from agent_trainer.engines import left_pad, make_engine, model_logps
 from agent_trainer.models import DTYPES, context_problem, load_model, resolve_model_path, source_fingerprint
 from agent_trainer.workers import SingleWorker
@@ -217,9 +218,8 @@ class AgentTrainer:
             for i in range(0, len(experiences), mb):
                 batch = _collate(experiences[i:i + mb], self.tokenizer.pad_token_id, self.agent.generation.temperature,
                                  self.device)
-                prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, behaviour, temperatures = batch
-                logits = self._sampling_logits(self.model, batch)  # (B, T, V)
-                per_token_logps = losses.selective_log_softmax(logits, completion_ids)  # (B, T)
+                completion_ids, completion_mask, behaviour = batch.completion_ids, batch.completion_mask, batch.behaviour
+                per_token_logps, candidate_logits = self._token_logps(self.model, batch)  # (B, T), (B, T, K)
                 if iteration == 0 and behaviour is not None:
                     gap = (per_token_logps.detach() - behaviour).abs() * completion_mask  # (B, T)
                     stats["mismatch"] += float(gap.sum())
@@ -237,12 +237,12 @@ class AgentTrainer:
                     old = per_token_logps.detach()
                 else:
                     old = behaviour
-                per_token_loss, clipped = losses.clipped_policy_loss(per_token_logps, old, advantages, alg.epsilon)
+                per_token_loss, clipped = losses.clipped_policy_loss(per_token_logps, old, batch.advantages, alg.epsilon)
                 if weights is not None:
                     per_token_loss = per_token_loss * weights
                 if self.ref_model is not None:
                     with torch.no_grad():
-                        ref = losses.selective_log_softmax(self._sampling_logits(self.ref_model, batch), completion_ids)
+                        ref, _ = self._token_logps(self.ref_model, batch)
                     kl = losses.kl_k3(per_token_logps, ref)  # (B, T)
                     per_token_loss = per_token_loss + alg.beta * kl
                     stats["kl"] += float((kl.detach() * completion_mask).sum())
@@ -255,7 +255,7 @@ class AgentTrainer:
                     break
                 self.scaler.scale(loss).backward()
                 with torch.no_grad():
-                    stats["entropy"] += float((losses.entropy_from_logits(logits.detach()) * completion_mask).sum())
+                    stats["entropy"] += float((losses.entropy_from_logits(candidate_logits.detach()) * completion_mask).sum())
                     stats["clipped"] += float((clipped.float() * completion_mask).sum())
             finite = self.workers.reduce_gradients(self.model.parameters(), finite)  # the whole batch's gradient
             grad_norm = math.nan
@@ -289,7 +289,7 @@ class AgentTrainer:
         """Current log-probs of each experience's completion tokens under the sampling distribution (no gradient)."""
         batch = _collate(experiences, self.tokenizer.pad_token_id, self.agent.generation.temperature, self.device)
         with torch.no_grad():
-            logps = losses.selective_log_softmax(self._sampling_logits(self.model, batch), batch[2])
+            logps, _ = self._token_logps(self.model, batch)
         return [logps[i, :len(e.completion_ids)].tolist() for i, e in enumerate(experiences)]
 
     def score(self, experiences: list[Experience], *, engine: bool = False) -> list[list[float]]:
@@ -419,27 +419,24 @@ class AgentTrainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
-    def _sampling_logits(self, model, batch) -> torch.Tensor:
-        """(B, T, V) logits of the sampling distribution at each completion token (float32, -inf outside
-        the top-k / top-p set, each row divided by its own temperature)."""
-        prompt_ids, prompt_mask, completion_ids, completion_mask, _, _, temperatures = batch
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, P + T)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-        T = completion_ids.size(1)
+    def _token_logps(self, model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T) log-probs of the completion tokens under the sampling distribution (each row at its own
+        temperature, top-k / top-p applied, the token itself always kept), and the (B, T, K) candidate logits
+        they are normalised over; each distinct prompt runs once."""
         with self._autocast():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           logits_to_keep=T + 1).logits  # (B, T + 1, V)
+            logits = shared_prompts.completion_logits(model, batch.prompt_ids, batch.prompt_mask, batch.prompt_index,
+                                                      batch.completion_ids, batch.completion_mask)  # (B, T, V)
         gen = self.agent.generation
-        return sampling.sampling_logits(logits[:, :-1, :].float(), temperatures.view(-1, 1, 1), gen.top_k, gen.top_p,
-                                        keep=completion_ids)
+        return sampling.token_logps(logits, batch.completion_ids, batch.temperatures.view(-1, 1, 1), gen.top_k,
+                                    gen.top_p)
 
 
 def by_length(experiences: list[Experience]) -> list[Experience]:
-    """Experiences ordered by prompt length, then completion length: micro-batches of neighbours pad little
-    (prompts are left-padded, completions right-padded, each to the longest in its micro-batch). The loss
-    is a sum over experiences normalised by whole-batch counts, so the order changes only rounding."""
-    return sorted(experiences, key=lambda e: (len(e.prompt_ids), len(e.completion_ids)))
+    """Experiences ordered by prompt length, prompt, then completion length: micro-batches of neighbours pad
+    little (prompts are left-padded, completions right-padded, each to the longest in its micro-batch) and
+    keep a prompt's completions together, so that it runs once (`shared_prompts`). The loss is a sum over
+    experiences normalised by whole-batch counts, so the order changes only rounding."""
+    return sorted(experiences, key=lambda e: (len(e.prompt_ids), e.prompt_ids, len(e.completion_ids)))
 
 
 def _seed_everything(seed: int) -> None:
@@ -458,14 +455,29 @@ def _right_pad(rows: list[list[float]], pad, dtype, device) -> tuple[torch.Tenso
     return values.to(device), mask.to(device)
 
 
-def _collate(experiences: list[Experience], pad: int, temperature: float, device):
-    """Left-padded prompts, right-padded completions, their masks, (B,) advantages, old log-probs or None,
-    and (B,) sampling temperatures (`temperature` where an experience carries none)."""
+class Batch(NamedTuple):
+    """A micro-batch on the device: the distinct left-padded prompts (U, P) and, per row, (B,) the index of its
+    prompt, the right-padded completion ids and mask (B, T), advantage, old log-probs (B, T) or None, and
+    sampling temperature."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    prompt_index: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    advantages: torch.Tensor
+    behaviour: torch.Tensor | None
+    temperatures: torch.Tensor
+
+
+def _collate(experiences: list[Experience], pad: int, temperature: float, device) -> Batch:
+    """`experiences` as a `Batch`; an experience without a temperature was sampled at `temperature`."""
     prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in experiences], pad, device)
+    prompt_ids, prompt_mask, prompt_index = shared_prompts.distinct_rows(prompt_ids, prompt_mask)
     completion_ids, completion_mask = _right_pad([e.completion_ids for e in experiences], pad, torch.long, device)
     advantages = torch.tensor([e.advantage for e in experiences], dtype=torch.float32, device=device)
     temperatures = torch.tensor([e.temperature or temperature for e in experiences], dtype=torch.float32, device=device)
     old = None
     if all(e.old_per_token_logps is not None for e in experiences):
         old, _ = _right_pad([e.old_per_token_logps for e in experiences], 0.0, torch.float32, device)
-    return prompt_ids, prompt_mask, completion_ids, completion_mask, advantages, old, temperatures
+    return Batch(prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask, advantages, old, temperatures)

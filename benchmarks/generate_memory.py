@@ -48,7 +48,7 @@ def measure(kind: str, model_dir: str, batch: int, tokens: int, device: str) -> 
     """Runs in the child: load, then one generate of `batch` x `tokens`; peak memory of the call in MB."""
     import torch
 
-    from agent_trainer import losses
+    from agent_trainer import sampling
     from agent_trainer.trainer import AgentTrainer
     from protocols.config import AgentConfig, AlgorithmConfig
     from protocols.messages import GenerateRequest
@@ -75,8 +75,8 @@ def measure(kind: str, model_dir: str, batch: int, tokens: int, device: str) -> 
         with torch.inference_mode():
             out = trainer.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
             completion_ids = out.sequences[:, ids.size(1):]
-            logits = torch.stack(out.logits, dim=1).float() / 1.0  # (B, T, V)
-            losses.selective_log_softmax(logits, completion_ids)
+            logits = torch.stack(out.logits, dim=1)  # (B, T, V)
+            sampling.token_logps(logits, completion_ids, 1.0)
         new_tokens = completion_ids.numel()
     seconds = time.perf_counter() - start
     return {"kind": kind, "peak_mb": _memory_peak(device) - before, "new_tokens": new_tokens, "seconds": seconds}

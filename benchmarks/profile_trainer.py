@@ -1,13 +1,13 @@
 """Where an AgentTrainer's generate and update spend their time, measured by wrapping their parts.
 
-    python benchmarks/profile_trainer.py [--model builtin:tiny] [--batch 32] [--tokens 4] [--repeats 5]
+    python benchmarks/profile_trainer.py [--model builtin:tiny] [--batch 32] [--group 4] [--tokens 4] [--repeats 5]
                                          [--threads 1] [--adamw]
 
-One agent, the bench_common prompts, `--batch` prompts per call (as one marsi trainer gets them in
+One agent, the bench_common prompts, `--batch` prompts per call, `--group` in a row the same (as one marsi trainer gets them in
 vs_comlrl.py: 8 samples x 4 episodes), one untimed warm-up call; totals are medians over repeats.
 generate = the decode loop (`agent_trainer.sampling.sample`: forward passes with the KV cache, sampling,
 the sampled tokens' log-probs) + prompt tokenisation + the rest (padding, decoding, Completion
-messages). update = the forward that recomputes log-probs (`_sampling_logits`), backward,
+messages). update = the forward that recomputes log-probs (`_token_logps`), backward,
 optimizer.step, and the rest (collation, loss, statistics). `--adamw` also times one AdamW step over
 the model's parameters with torch's default (for-loop) implementation, foreach=True and fused=True.
 """
@@ -35,6 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:tiny")
     parser.add_argument("--batch", type=int, default=32, help="prompts per generate / sequences per update")
+    parser.add_argument("--group", type=int, default=4, help="completions per distinct prompt")
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
@@ -46,7 +47,8 @@ def main() -> None:
     config = bc.marsi_config(num_agents=1, model=args.model, tokens=args.tokens, ray=False,
                              micro_batch_size=args.batch, lr=1e-5, dtype=args.dtype)
     trainer = AgentTrainer("a0", config.agents["a0"], config.algorithm, seed=0)
-    print(f"{args.model}: {args.batch} prompts ({args.prompt_tokens}-token instruction) x {args.tokens} new tokens, "
+    print(f"{args.model}: {args.batch} prompts ({args.prompt_tokens}-token instruction; {args.group} per distinct prompt) "
+          f"x {args.tokens} new tokens, "
           f"{args.dtype}, {args.threads} torch thread(s), "
           f"median of {args.repeats}; {bc.load_line()}")
 
@@ -69,11 +71,12 @@ def main() -> None:
 
     wrap(sampling, "sample", "generate/decode loop")
     wrap(trainer, "encode_prompt", "generate/prompt tokenisation")
-    wrap(trainer, "_sampling_logits", "update/forward", only_in="update")
+    wrap(trainer, "_token_logps", "update/forward", only_in="update")
     wrap(torch.Tensor, "backward", "update/backward")
     wrap(trainer.optimizer, "step", "update/optimizer.step")
 
-    prompts = [bc.role_prompt(0, bc.LETTERS[i % 4], args.prompt_tokens) for i in range(args.batch)]
+    prompts = [bc.role_prompt(0, bc.LETTERS[i // args.group % len(bc.LETTERS)], args.prompt_tokens)
+               for i in range(args.batch)]  # `--group` rows in a row share a prompt
     rows = defaultdict(list)
     for r in range(args.repeats + 1):
         spent.clear()

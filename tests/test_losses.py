@@ -1,11 +1,11 @@
-"""The loss maths against values computed by hand."""
+"""The loss and sampling-distribution maths against values computed by hand or densely in float64."""
 
 import math
 
 import pytest
 import torch
 
-from agent_trainer import losses
+from agent_trainer import losses, sampling
 from orchestrator import advantages
 
 
@@ -42,11 +42,40 @@ def test_ema_baseline_by_hand():
     assert one_order == pytest.approx(other_order)
 
 
-def test_selective_log_softmax_matches_full_log_softmax():
+def test_token_logps_without_truncation_is_the_tempered_full_log_softmax():
     logits = torch.randn(2, 3, 7)
     index = torch.randint(0, 7, (2, 3))
-    full = torch.log_softmax(logits, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
-    assert torch.allclose(losses.selective_log_softmax(logits, index), full, atol=1e-6)
+    full = torch.log_softmax(logits / 0.7, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    logps, candidate_logits = sampling.token_logps(logits, index, 0.7)
+    assert torch.allclose(logps, full, atol=1e-6)
+    assert candidate_logits.shape == (2, 3, 7)
+
+
+def dense_reference(logits, tokens, temperature, top_k, top_p):
+    """float64 log-probs over the whole vocabulary: tempered, cut below the k-th value (ties kept), then top-p,
+    the token put back if cut."""
+    z = logits.double() / temperature
+    kth = z.topk(top_k, dim=-1).values[..., -1:]
+    z = z.masked_fill(z < kth, float("-inf"))
+    ordered, order = z.sort(-1, descending=True)
+    probs = ordered.softmax(-1)
+    cut = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, probs.cumsum(-1) - probs >= top_p)
+    z = z.masked_fill(cut, float("-inf")).scatter(-1, tokens.unsqueeze(-1), (logits.double() / temperature).gather(
+        -1, tokens.unsqueeze(-1)))
+    return z.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_top_k_candidates_give_the_whole_vocabulary_log_probs_with_ties_and_tokens_outside_the_set(top_p):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 5, 300, generator=generator).mul(3).round().div(2)  # coarse values: many ties
+    tokens = torch.randint(0, 300, (4, 5), generator=generator)  # mostly outside the top 10
+    tokens[0, 0] = logits[0, 0].argmax()
+    logps, candidate_logits = sampling.token_logps(logits, tokens, 0.9, top_k=10, top_p=top_p)
+    assert torch.allclose(logps.double(), dense_reference(logits, tokens, 0.9, 10, top_p), atol=1e-5)
+    kth = logits.topk(10, dim=-1).values[..., -1:]
+    assert candidate_logits.size(-1) == int((logits >= kth).sum(-1).max()) + 1 > 11  # ties kept, plus the token
+    assert torch.isfinite(candidate_logits).sum(-1).min() >= 1
 
 
 def test_entropy_of_uniform_and_certain():

@@ -68,7 +68,8 @@ def test_two_workers_update_to_the_parameters_of_one(two_workers, variant):
     initial = dict(make_trainer().model.named_parameters())
     for name, p in one.model.named_parameters():
         assert not torch.equal(p.detach(), initial[name]), name  # the update moved it
-        assert torch.allclose(torch.from_numpy(params0[name]), p.detach(), rtol=0, atol=1e-6), name
+        # the same sums in another order: rounding, amplified by Adam's per-element normalisation, within 1% of a step
+        assert torch.allclose(torch.from_numpy(params0[name]), p.detach(), rtol=0, atol=1e-5), name
         assert (params0[name] == params1[name]).all(), name  # the workers stay identical
     for key in ("loss", "grad_norm", "kl", "entropy", "clip_fraction", "logp_mismatch", "logp_gap_max"):
         assert getattr(result0, key) == pytest.approx(getattr(result, key), rel=1e-5, abs=1e-7), key
