@@ -18,6 +18,9 @@ Choices a reviewer should know (they follow trl, verl and SPIRAL unless said oth
   the schedule of the total this trainer was built with at the restored update count, so extending a
   run (a larger `train.steps`) continues on the curve for the new total from where the run stands.
 - `grad_norm` is the mean of the passes' pre-clipping norms.
+- A prompt that several completions of a micro-batch share (a group) runs through the model once, in the
+  update and in generation's prefill (`agent_trainer.shared_prompts`): the same log-probs and gradient as
+  one forward per row, up to rounding, for a fraction of the prompt's compute.
 - Data parallelism (`resources.num_workers` > 1, `agent_trainer.workers`): every worker gets the whole
   request and takes its share of the rows; the loss keeps the whole batch's token and sequence counts, the
   gradients are summed over the workers before clipping and stepping, and the statistics are the whole
