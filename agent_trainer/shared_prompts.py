@@ -22,12 +22,15 @@ import torch
 
 def distinct_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The distinct rows of left-padded (B, P) `ids` / `mask` in first-seen order, and (B,) the index of each
-    row's distinct row. Rows differing only in padding ids are distinct only if their masks differ too."""
-    seen: dict[tuple, int] = {}
-    index = [seen.setdefault(key, len(seen)) for key in zip(map(tuple, ids.tolist()), map(tuple, mask.tolist()))]
-    first = list(dict.fromkeys(index))  # the row where each distinct prompt first appears
-    rows = torch.tensor([index.index(d) for d in first], device=ids.device)
-    return ids.index_select(0, rows), mask.index_select(0, rows), torch.tensor(index, device=ids.device)
+    row's distinct row. A row is its ids and its mask: a real token whose id is the pad id is not padding."""
+    keys = list(zip(map(tuple, ids.tolist()), map(tuple, mask.tolist())))
+    first: dict[tuple, int] = {}  # each distinct row -> the row where it first appears
+    for row, key in enumerate(keys):
+        first.setdefault(key, row)
+    number = {key: i for i, key in enumerate(first)}
+    rows = torch.tensor(list(first.values()), device=ids.device)
+    return ids.index_select(0, rows), mask.index_select(0, rows), torch.tensor([number[k] for k in keys],
+                                                                                device=ids.device)
 
 
 def cache_argument(model) -> str:
@@ -48,7 +51,7 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, index: t
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask),
                 use_cache=True, logits_to_keep=1, **{cache_arg: None})
     cache = out[cache_arg]
-    if index.numel() == prompt_ids.size(0):  # every prompt distinct: `distinct_rows` keeps them in order
+    if torch.equal(index, torch.arange(prompt_ids.size(0), device=index.device)):  # one row per prompt, in order
         return out.logits, cache
     cache.reorder_cache(index)
     return out.logits.index_select(0, index), cache

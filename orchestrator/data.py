@@ -61,13 +61,14 @@ class DataPosition:
 
 def next_batch(rows: list[dict[str, Any]], size: int, position: DataPosition, seed: int,
                shuffle: bool) -> list[dict[str, Any]]:
-    """`size` samples from a seeded per-epoch order, advancing `position` (in place) across epochs."""
+    """`size` samples from a seeded per-epoch order, advancing `position` (in place) across epochs. The next
+    epoch starts when a sample of it is taken, not when the last one of the epoch before is."""
     batch = []
     while len(batch) < size:
+        if position.index == len(rows):
+            position.epoch, position.index = position.epoch + 1, 0
         order = np.random.default_rng([seed, position.epoch]).permutation(len(rows)) if shuffle else range(len(rows))
         take = min(size - len(batch), len(rows) - position.index)
         batch += [rows[int(i)] for i in order[position.index:position.index + take]]
         position.index += take
-        if position.index == len(rows):
-            position.epoch, position.index = position.epoch + 1, 0
     return batch

@@ -100,6 +100,16 @@ def test_data_that_runs_out_is_said_and_counted(tmp_path, capfd):
     assert capfd.readouterr().err.count("data: all 8 samples used; going round again (reshuffled each epoch)") == 1
 
 
+def test_data_used_up_exactly_is_said_only_when_a_sample_comes_round_again(capfd):
+    raw = config(train={"steps": 3, "batch_size": 4})  # 8 samples, 4 per step: steps 1 and 2 use each once
+    with Coordinator(validate_config(raw)) as coord:
+        history = coord.run(until=2)
+        assert [m["data/epoch"] for m in history] == [0.5, 1.0]
+        assert "going round again" not in capfd.readouterr().err
+        coord.run()  # step 3 uses the first samples again
+    assert capfd.readouterr().err.count("data: all 8 samples used; going round again") == 1
+
+
 def test_a_run_that_fails_before_its_first_step_leaves_no_directory(tmp_path):
     raw = config()
     raw["environment"]["name"] = f"{HERE / 'envs.py'}:BrokenEnv"
