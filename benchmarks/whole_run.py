@@ -12,7 +12,7 @@ per agent with 1 thread, a checkpoint at step 0 and at the last step), CoMLRL in
   wall          seconds from starting the process to its exit
   start-up      seconds from starting the process to the first step (imports, Ray, model loads, marsi's
                 step-0 checkpoint)
-  s/step        median seconds per training step
+  s/step        median seconds per training step (marsi's run lines add its generate / update split)
   RSS, PSS      peak over the run of the summed resident / proportional set size of the process and all its
                 descendants (driver, Ray's processes, trainer actors), sampled every second; PSS splits pages
                 shared between processes (libraries, Ray's object store), so it adds up to what the tree costs
@@ -75,7 +75,7 @@ def main() -> None:
             report = measure(name, args)
             runs[name].append(report)
             print(f"  run {r + 1} {name:6s}: wall {report['wall_s']:.1f} s, start-up {report['ready_s']:.1f} s, "
-                  f"s/step {statistics.median(report['step_s']):.2f}, peak RSS {report['rss_mb']:.0f} MB, "
+                  f"s/step {statistics.median(report['step_s']):.2f}{_split(report)}, peak RSS {report['rss_mb']:.0f} MB, "
                   f"peak PSS {report['pss_mb']:.0f} MB", flush=True)
     print(f"after: {bc.load_line()}\n")
     table(runs, args)
@@ -168,7 +168,15 @@ def run_marsi(args) -> dict:
                        for p in coord.log.checkpoints()}
     return {"ready_s": first_step_start - float(os.environ["MARSI_BENCH_START"]),
             "step_s": [m["time/step"] for m in steps], "checkpoint_mb": checkpoints,
+            "generate_s": [m["time/generate"] for m in steps], "update_s": [m["time/update"] for m in steps],
             "reward": [m["reward/mean"] for m in steps]}
+
+
+def _split(report: dict) -> str:
+    """marsi's step as generate / update (medians over steps); CoMLRL's loop does not time them apart."""
+    if "generate_s" not in report:
+        return ""
+    return f" (generate {statistics.median(report['generate_s']):.2f} / update {statistics.median(report['update_s']):.2f})"
 
 
 def run_comlrl(args) -> dict:
