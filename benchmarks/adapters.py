@@ -26,15 +26,12 @@ import sys
 import time
 from pathlib import Path
 
+import bench_common as bc  # this script's folder is first on sys.path
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "builtin:smollm2-135m-instruct"
-
-
-def load_line() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} ({os.cpu_count()} CPUs)"
 
 
 def run_config(kind: str, count: int, rank: int, tokens: int):
@@ -57,15 +54,6 @@ def run_config(kind: str, count: int, rank: int, tokens: int):
         "ray": {"enabled": False},
     }
     return validate_config(raw, source="<benchmark>")
-
-
-def rss_mb() -> tuple[float, float]:
-    fields = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0]) / 1024
-    return fields["VmRSS"], fields["VmHWM"]
 
 
 def child(kind: str, count: int, steps: int, batch: int, tokens: int, rank: int) -> dict:
@@ -93,7 +81,7 @@ def child(kind: str, count: int, steps: int, batch: int, tokens: int, rank: int)
             updates[agent] = {"request": UpdateRequest(experiences=exps)}
         trainers.call("update", updates)
         step_seconds.append(time.perf_counter() - start)
-    rss, peak = rss_mb()
+    rss, peak = bc.rss_mb(os.getpid())
     trainable = sum(p.numel() for t in trainers.trainers.values() for g in t.optimizer.param_groups for p in g["params"])
     trainers.close()
     return {"kind": kind, "count": count, "rss": rss, "peak": peak, "load_s": load_seconds,
@@ -114,7 +102,7 @@ def main() -> None:
         print(json.dumps(result))
         return
     print("$ python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]]))
-    print(f"before: {load_line()}")
+    print(f"before: {bc.load_line()}")
     started = time.perf_counter()
     results = []
     for count in [int(c) for c in args.counts.split(",")]:
@@ -133,7 +121,7 @@ def main() -> None:
     for r in results:
         print(f"{r['count']:6d} {r['kind']:>8s} {r['trainable']:11,d} {r['rss']:8.0f} {r['peak']:8.0f} "
               f"{r['rss'] / one_full:10.2f} {r['step_s']:7.2f} {r['load_s']:7.1f}")
-    print(f"\nafter: {load_line()}; {time.perf_counter() - started:.0f} s in all")
+    print(f"\nafter: {bc.load_line()}; {time.perf_counter() - started:.0f} s in all")
 
 
 if __name__ == "__main__":

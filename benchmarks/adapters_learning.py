@@ -30,11 +30,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 HEAD = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
-def load_line() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} ({os.cpu_count()} CPUs)"
-
-
 def demo_configs() -> dict:
     from protocols.config import load_config
 
@@ -74,6 +69,8 @@ def train(config) -> tuple[list[float], float]:
 
 
 def main() -> None:
+    import bench_common as bc
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="demo,smollm2")
     parser.add_argument("--smollm2-steps", type=int, default=30)
@@ -82,7 +79,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     print("$ python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]]))
-    print(f"before: {load_line()}")
+    print(f"before: {bc.load_line()}")
     for task in args.tasks.split(","):
         contenders = demo_configs() if task == "demo" else smollm2_configs(args.smollm2_steps)
         for label, config in contenders.items():
@@ -91,7 +88,7 @@ def main() -> None:
             blocks = [statistics.fmean(rewards[i:i + block]) for i in range(0, len(rewards), block)]
             print(f"{task} | {label} | mean reward per {block} steps: {', '.join(f'{b:.3f}' for b in blocks)} | "
                   f"last {block}: {blocks[-1]:.3f} | {seconds:.0f} s", flush=True)
-    print(f"after: {load_line()}")
+    print(f"after: {bc.load_line()}")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,6 @@ sys.path.insert(0, str(HERE))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def rss_mb() -> tuple[int, int]:
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines())
-    return int(status["VmRSS"].split()[0]) // 1024, int(status["VmHWM"].split()[0]) // 1024
-
-
 def child(args) -> dict:
     if args.child == "returned":
         from agent_trainer.group import return_freed_memory
@@ -42,15 +37,15 @@ def child(args) -> dict:
     config = bc.marsi_config(num_agents=1, model=args.model, tokens=args.tokens, ray=False,
                              micro_batch_size=args.batch, lr=1e-5)
     trainer = AgentTrainer("a0", config.agents["a0"], config.algorithm, seed=0)
-    rows = {"loaded": rss_mb()[0]}
+    rows = {"loaded": bc.rss_mb(os.getpid())[0]}
     prompts = [bc.role_prompt(0, bc.LETTERS[i % 4], args.prompt_tokens) for i in range(args.batch)]
     for r in range(args.rounds):
         result = trainer.generate(GenerateRequest(prompts=prompts, seed=r))
         advantages = [1.0 if i % 2 else -1.0 for i in range(args.batch)]
         trainer.update(UpdateRequest(experiences=[Experience.from_completion(c, a)
                                                   for c, a in zip(result.completions, advantages)]))
-        rows[f"after round {r + 1}"] = rss_mb()[0]
-    rows["peak"] = rss_mb()[1]
+        rows[f"after round {r + 1}"] = bc.rss_mb(os.getpid())[0]
+    rows["peak"] = bc.rss_mb(os.getpid())[1]
     return rows
 
 
@@ -78,7 +73,7 @@ def main() -> None:
     print(f"{'RSS MB':16s} {'freed memory kept':>18s} {'returned':>10s} {'returned/kept':>14s}")
     for key in runs["kept"]:
         kept, returned = runs["kept"][key], runs["returned"][key]
-        print(f"{key:16s} {kept:18d} {returned:10d} {returned / kept:14.2f}")
+        print(f"{key:16s} {kept:18.0f} {returned:10.0f} {returned / kept:14.2f}")
 
 
 if __name__ == "__main__":
