@@ -44,9 +44,12 @@ def candidates(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: i
             removed = _top_p_removed(values.detach(), top_p)  # (..., V) bool
         return values.masked_fill(removed, float("-inf")), None
     with torch.no_grad():
-        kth = logits.detach().topk(top_k, dim=-1).values[..., -1:]  # (..., 1)
+        top, ids = logits.detach().topk(top_k, dim=-1)  # (..., top_k), descending
+        kth = top[..., -1:]  # (..., 1)
         width = int((logits.detach() >= kth).sum(-1).max())  # the most candidates any row keeps
-    raw, ids = logits.topk(width, dim=-1)  # (..., K), descending
+        if width > top_k:  # a tie at the k-th value: take every tied token (rarely needed)
+            ids = logits.detach().topk(width, dim=-1).indices  # (..., K), descending
+    raw = logits.gather(-1, ids)  # (..., K), with the gradient
     values = (raw.float() / temperature).masked_fill(raw < kth, float("-inf"))
     if top_p < 1.0:
         with torch.no_grad():
