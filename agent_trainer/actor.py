@@ -174,12 +174,12 @@ class RayTrainers:
             return
         timeout_s = call_timeout or 7 * 24 * 3600.0
         hosts = {name: _node_address(info[name]["node"]) for name in groups}
-        ports = ray.get([group[0].call.remote(name, workers.host_store, {
+        ports = dict(zip(groups, ray.get([group[0].call.remote(name, workers.host_store, {
             "host": hosts[name], "world_size": len(group), "timeout_s": timeout_s}) for name, group in groups.items()],
-            timeout=start_timeout)
-        joined = {actor.call.remote(name, workers.join, {"host": hosts[name], "port": port, "rank": rank,
+            timeout=start_timeout)))
+        joined = {actor.call.remote(name, workers.join, {"host": hosts[name], "port": ports[name], "rank": rank,
                                                    "world_size": len(group), "timeout_s": timeout_s}): name
-                  for (name, group), port in zip(groups.items(), ports) for rank, actor in enumerate(group)}
+                  for name, group in groups.items() for rank, actor in enumerate(group)}
         for ref, name in joined.items():
             try:
                 ray.get(ref, timeout=start_timeout)
@@ -187,7 +187,7 @@ class RayTrainers:
                 reason = (describe(exc.cause or exc) if isinstance(exc, ray.exceptions.RayTaskError)
                           else one_line(exc)[:200])
                 raise TrainerStartError(f"agent {name!r}: its {len(groups[name])} workers could not join one "
-                                        f"process group at {hosts[name]}:{ports[list(groups).index(name)]} "
+                                        f"process group at {hosts[name]}:{ports[name]} "
                                         f"({reason}); check that the nodes reach each other on that port") from None
 
     def call(self, method: str | Callable, kwargs_by_agent: dict[str, dict[str, Any]],

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from agent_trainer import rng
-from agent_trainer.models import load_model, resolve_model_path, source_fingerprint
+from agent_trainer.models import SOURCE_MARKER, load_model, resolve_model_path, source_fingerprint
 from protocols.config import AgentConfig
 from protocols.messages import CheckpointInfo
 
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 ADAPTER_DIR = "adapter"
 """An adapter agent's checkpoint holds its adapter here, in peft's layout."""
-SOURCE_MARKER = "source.json"  # as agent_trainer.trainer: a frozen agent names where its weights come from
 
 
 def adapter_name(agent: str) -> str:

@@ -32,8 +32,3 @@ class Host:
     def call(self, agent: str, method: str | Callable, kwargs: dict[str, Any]):
         """Run `method` for `agent` (a trainer method's name, or a function taking the trainer first)."""
         return invoke(self.trainers[agent], method, kwargs)
-
-    def close(self) -> None:
-        for trainer in self.trainers.values():
-            trainer.close()
-        self.trainers.clear()

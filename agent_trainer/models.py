@@ -60,6 +60,11 @@ def load_model(name: str, *, tokenizer: str | None = None, dtype: str = "float32
     return model, tok
 
 
+SOURCE_MARKER = "source.json"
+"""In a checkpoint of an agent whose weights are still its model's (no update yet: every step-0 checkpoint, and a
+frozen agent's at every step): where the weights come from, instead of a copy of them."""
+
+
 def source_fingerprint(name: str) -> dict[str, list[int]]:
     """Size and modification time of every file of a local model directory (empty for a hub id, and for a
     built-in, which every node builds alike from a fixed seed at its own time): what a frozen agent's

@@ -58,7 +58,9 @@ from transformers import AutoModelForCausalLM
 
 from agent_trainer import adapters, losses, rng, sampling, shared_prompts
 from agent_trainer.engines import left_pad, make_engine, model_logps
-from agent_trainer.models import DTYPES, context_problem, load_model, resolve_model_path, source_fingerprint
+from agent_trainer.models import (
+    DTYPES, SOURCE_MARKER, context_problem, load_model, resolve_model_path, source_fingerprint,
+)
 from agent_trainer.workers import SingleWorker
 from protocols.config import AgentConfig, AlgorithmConfig
 from protocols.messages import (
@@ -68,11 +70,6 @@ from protocols.messages import (
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
-
-SOURCE_MARKER = "source.json"
-"""In a checkpoint of an agent whose weights are still its model's (no update yet: every step-0 checkpoint, and a
-frozen agent's at every step): where the weights come from, instead of a copy of them."""
-
 
 def pick_device(num_gpus: float) -> torch.device:
     return torch.device("cuda", 0) if num_gpus > 0 and torch.cuda.is_available() else torch.device("cpu")

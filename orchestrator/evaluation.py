@@ -22,6 +22,7 @@ import json
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from orchestrator import rollout
@@ -50,16 +51,17 @@ def partner_agents(config: RunConfig) -> dict[str, AgentConfig]:
 
 def _model_dir(path: str) -> str:
     """A checkpoint's agent directory holds its weights under `model/`; a model directory is itself."""
-    from pathlib import Path
-
-    return str(Path(path) / "model") if (Path(path) / "model" / "config.json").exists() else path
+    return _inside(path, "model", "config.json")
 
 
 def _adapter_dir(path: str) -> str:
     """A checkpoint's agent directory holds an adapter agent's adapter under `adapter/`; an adapter directory is itself."""
-    from pathlib import Path
+    return _inside(path, "adapter", "adapter_config.json")
 
-    return str(Path(path) / "adapter") if (Path(path) / "adapter" / "adapter_config.json").exists() else path
+
+def _inside(path: str, part: str, marker: str) -> str:
+    """`path/part` if it holds `marker`, else `path`."""
+    return str(Path(path) / part) if (Path(path) / part / marker).exists() else path
 
 
 @dataclass
