@@ -85,7 +85,8 @@ def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float |
     index = tokens.unsqueeze(-1)  # (..., 1)
     picked = logits.gather(-1, index).float() / temperature  # (..., 1) the token's tempered logit
     if ids is None:
-        values = values.scatter(-1, index, picked)  # back in if top-p cut it
+        if top_p < 1.0:  # back in if top-p cut it (without top-p nothing is cut: no copy of the V columns)
+            values = values.scatter(-1, index, picked)
     else:
         is_token = ids == index  # (..., K)
         values = torch.where(is_token, picked, values)  # back in if top-p cut it

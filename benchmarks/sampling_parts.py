@@ -1,0 +1,147 @@
+"""Parts of a SmolLM2 step that marsi's sampling and update choices change, each beside the earlier method.
+
+    python benchmarks/sampling_parts.py [--model builtin:smollm2-135m-instruct] [--repeats 5]
+
+One thread, the two methods of each part alternating, medians over `--repeats`:
+
+  log-probs     forward + backward of the completion tokens' log-probs and the entropy from (8, 32, V) bf16
+                logits (what the update does after the model), top-k 50 and top-k off: the whole
+                vocabulary masked to -inf (the earlier method) against `sampling.token_logps`, which
+                carries the top-k candidates only
+  noise         one decode step's sampling noise for 8 rows: `exponential_` over the vocabulary (earlier)
+                against float64 uniforms (the exponential race's -log u, over 50 candidates)
+  decode step   one token of an 8-row decode of the model (after a 90-token prefill), autocast bf16 and
+                fp32, under `inference_mode` (earlier) against `no_grad`: autocast keeps its casts of the
+                weights for the call only outside inference mode
+  attention     forward + backward of the update's model pass (8 x 32 new tokens after 2 distinct
+                90-token prompts, bf16 autocast) with SDPA (marsi) against eager attention (left alone:
+                its memory grows with the square of the length)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import bench_common as bc  # noqa: E402
+from agent_trainer import losses, sampling, shared_prompts  # noqa: E402
+from agent_trainer.models import load_model  # noqa: E402
+
+B, T, PROMPT = 8, 32, 90
+
+
+def dense_token_logps(logits: torch.Tensor, tokens: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The earlier method: (B, T, V) float32 logits with -inf outside the top-k set (the token kept)."""
+    z = logits.float()
+    if top_k:
+        kth = z.detach().topk(top_k, dim=-1).values[..., -1:]
+        removed = (z.detach() < kth).scatter(-1, tokens.unsqueeze(-1), False)
+        z = z.masked_fill(removed, float("-inf"))
+    return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1), z
+
+
+def time_it(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"$ python {' '.join(sys.argv)}\nbefore: {bc.load_line()}", flush=True)
+    model, _ = load_model(args.model)
+    model.eval()
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, T, V, generator=gen).mul(3).bfloat16()
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+
+    def logps(method, top_k):
+        def run():
+            z = logits.clone().requires_grad_()
+            values, candidates = (dense_token_logps(z, tokens, top_k) if method == "earlier"
+                                  else sampling.token_logps(z, tokens, 1.0, top_k))
+            values.sum().backward()
+            with torch.no_grad():
+                losses.entropy_from_logits(candidates)
+        return run
+
+    uniform = torch.empty(B, V, dtype=torch.float64)
+    exponential = torch.empty(B, V)
+    ids = torch.randint(0, V, (B, 50), generator=gen)
+    prompts = torch.randint(0, V, (2, PROMPT), generator=gen).repeat_interleave(B // 2, 0)
+    mask = torch.ones_like(prompts)
+
+    def decode_step(mode, dtype):
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+
+        def run():
+            with mode(), autocast:  # a prefill, then one timed step inside the same call
+                logits, cache = shared_prompts.prefill(model, prompts, mask, torch.arange(B))
+                next_mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+                start = time.perf_counter()
+                model(input_ids=logits[:, -1].argmax(-1, keepdim=True), attention_mask=next_mask,
+                      position_ids=torch.full((B, 1), PROMPT), use_cache=True, logits_to_keep=1,
+                      **{shared_prompts.cache_argument(model): cache})
+                run.seconds = time.perf_counter() - start
+        return run
+
+    distinct, index = torch.randint(0, V, (2, PROMPT), generator=gen), torch.arange(B) // (B // 2)
+    completions = torch.randint(0, V, (B, T), generator=gen)
+
+    def update_pass(attention):
+        def run():
+            model.set_attn_implementation(attention)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = shared_prompts.completion_logits(model, distinct, torch.ones_like(distinct), index, completions,
+                                                       torch.ones_like(completions))
+            out.float().logsumexp(-1).sum().backward()
+            model.zero_grad(set_to_none=True)
+            model.set_attn_implementation("sdpa")
+        return run
+
+    parts = {
+        "log-probs, top-k 50": {"earlier (whole vocabulary)": logps("earlier", 50), "marsi (candidates)": logps("marsi", 50)},
+        "log-probs, top-k off": {"earlier (whole vocabulary)": logps("earlier", 0), "marsi": logps("marsi", 0)},
+        "noise per decode step": {"earlier (exponential_)": lambda: exponential.exponential_(generator=gen),
+                                  "marsi (float64 uniform, -log)": lambda: -uniform.uniform_(generator=gen)
+                                  .gather(1, ids).log()},
+        "decode step, bf16": {"earlier (inference_mode)": decode_step(torch.inference_mode, "bf16"),
+                              "marsi (no_grad)": decode_step(torch.no_grad, "bf16")},
+        "decode step, fp32": {"earlier (inference_mode)": decode_step(torch.inference_mode, "fp32"),
+                              "marsi (no_grad)": decode_step(torch.no_grad, "fp32")},
+        "update pass, bf16": {"marsi (sdpa)": update_pass("sdpa"), "left alone (eager)": update_pass("eager")},
+    }
+    print(f"{args.model}: {B} rows, 1 thread, median of {args.repeats}")
+    print(f"{'part':24s} {'method':32s} {'ms':>9s} {'x first':>10s}")
+    for part, methods in parts.items():
+        times = {name: [] for name in methods}
+        for r in range(args.repeats + 1):
+            for name, fn in (methods.items() if r % 2 == 0 else reversed(methods.items())):
+                seconds = time_it(fn)
+                if r:  # the first round warms up
+                    times[name].append(getattr(fn, "seconds", seconds))
+        first = None
+        for name, values in times.items():
+            ms = statistics.median(values) * 1000
+            first = first or ms
+            print(f"{part:24s} {name:32s} {ms:9.1f} {ms / first:10.2f}")
+    print(f"after: {bc.load_line()}")
+
+
+if __name__ == "__main__":
+    main()
