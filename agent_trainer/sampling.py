@@ -2,7 +2,8 @@
 
 One definition serves generation and the update: a token's sampling distribution is
 softmax(logits / temperature), cut to the `top_k` most likely tokens, then to the smallest set whose
-mass reaches `top_p` (the order transformers and vLLM apply them), renormalised over the tokens kept.
+mass reaches `top_p` (the order transformers and vLLM apply them; a tie at either edge is kept whole, so the
+set does not depend on how a sort ordered equal logits), renormalised over the tokens kept.
 `candidates` returns it as the candidates' logits (-inf where cut) and ids, and `token_logps` gives a
 token's log-prob under it, so the behaviour log-probs stored at generation and the log-probs the
 update trains describe the same distribution. With top-k on, only the K >= top_k candidates are
@@ -25,6 +26,7 @@ import torch
 from agent_trainer import shared_prompts
 
 _CHUNK_ELEMENTS = 1 << 24  # rows of logits truncated at once: bounds the sort's temporaries to ~200 MB
+_TIE_SLACK = 16  # tokens taken past the top_k-th, so that ties at its value need no second pass over V
 
 
 def candidates(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: int = 0,
@@ -44,33 +46,46 @@ def candidates(logits: torch.Tensor, temperature: float | torch.Tensor, top_k: i
             removed = _top_p_removed(values.detach(), top_p)  # (..., V) bool
         return values.masked_fill(removed, float("-inf")), None
     with torch.no_grad():
-        top, ids = logits.detach().topk(top_k, dim=-1)  # (..., top_k), descending
-        kth = top[..., -1:]  # (..., 1)
-        width = int((logits.detach() >= kth).sum(-1).max())  # the most candidates any row keeps
-        if width > top_k:  # a tie at the k-th value: take every tied token (rarely needed)
+        # top_k + _TIE_SLACK in one pass: ties at the k-th value (common in bf16 logits) usually fit in the slack
+        top, ids = logits.detach().topk(min(top_k + _TIE_SLACK, V), dim=-1)  # descending
+        kth = top[..., top_k - 1:top_k]  # (..., 1)
+        if top.size(-1) < V and bool((top[..., -1] >= kth[..., 0]).any()):  # the ties may run past the slack
+            width = int((logits.detach() >= kth).sum(-1).max())
             ids = logits.detach().topk(width, dim=-1).indices  # (..., K), descending
+        else:
+            ids = ids[..., :int((top >= kth).sum(-1).max())]  # (..., K): the most candidates any row keeps
     raw = logits.gather(-1, ids)  # (..., K), with the gradient
     values = (raw.float() / temperature).masked_fill(raw < kth, float("-inf"))
     if top_p < 1.0:
         with torch.no_grad():
-            probs = values.detach().softmax(-1)
-            removed = probs.cumsum(-1) - probs >= top_p  # the mass of the candidates ranked above reaches top_p
+            removed = _mass_above(values.detach()) >= top_p
         values = values.masked_fill(removed, float("-inf"))
     return values, ids
 
 
 def _top_p_removed(values: torch.Tensor, top_p: float) -> torch.Tensor:
-    """(..., V) bool: the tokens outside the smallest set, taken in descending order, whose mass reaches top_p."""
+    """(..., V) bool: the tokens cut by top-p, those whose strictly larger tokens already hold top_p of the mass."""
     shape, V = values.shape, values.size(-1)
     flat = values.reshape(-1, V)
     removed = torch.zeros_like(flat, dtype=torch.bool)
     rows = max(1, _CHUNK_ELEMENTS // V)
     for i in range(0, flat.size(0), rows):
         ordered, order = torch.sort(flat[i:i + rows], dim=-1, descending=True)
-        probs = ordered.softmax(-1)
-        mass_before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each one
-        removed[i:i + rows].scatter_(-1, order, mass_before >= top_p)
+        removed[i:i + rows].scatter_(-1, order, _mass_above(ordered) >= top_p)
     return removed.reshape(shape)
+
+
+def _mass_above(ordered: torch.Tensor) -> torch.Tensor:
+    """(..., N) for (..., N) logits in descending order: the probability mass of the tokens whose logit is strictly
+    larger. Tied tokens get the same mass, so top-p keeps or cuts a tie whole, whatever order a sort left it in:
+    generation and the update, which see the same logits in batches of other shapes, cut the same tokens."""
+    probs = ordered.softmax(-1)
+    before = probs.cumsum(-1) - probs  # the mass ranked above each position
+    new_value = torch.ones_like(ordered, dtype=torch.bool)
+    new_value[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
+    positions = torch.arange(ordered.size(-1), device=ordered.device).expand_as(ordered)
+    first_of_tie = torch.where(new_value, positions, 0).cummax(-1).values
+    return before.gather(-1, first_of_tie)
 
 
 def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float | torch.Tensor, top_k: int = 0,

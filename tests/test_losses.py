@@ -52,14 +52,15 @@ def test_token_logps_without_truncation_is_the_tempered_full_log_softmax():
 
 
 def dense_reference(logits, tokens, temperature, top_k, top_p):
-    """float64 log-probs over the whole vocabulary: tempered, cut below the k-th value (ties kept), then top-p,
-    the token put back if cut."""
+    """float64 log-probs over the whole vocabulary: tempered, cut below the k-th value (ties kept), then top-p
+    (a token is cut when the tokens with a strictly larger logit hold top_p of the mass: ties stay together), the
+    token put back if cut."""
     z = logits.double() / temperature
     kth = z.topk(top_k, dim=-1).values[..., -1:]
     z = z.masked_fill(z < kth, float("-inf"))
-    ordered, order = z.sort(-1, descending=True)
-    probs = ordered.softmax(-1)
-    cut = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, probs.cumsum(-1) - probs >= top_p)
+    probs = z.softmax(-1)
+    above = (probs.unsqueeze(-2) * (z.unsqueeze(-2) > z.unsqueeze(-1))).sum(-1)  # (..., V): mass strictly above
+    cut = above >= top_p
     z = z.masked_fill(cut, float("-inf")).scatter(-1, tokens.unsqueeze(-1), (logits.double() / temperature).gather(
         -1, tokens.unsqueeze(-1)))
     return z.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -76,6 +77,17 @@ def test_top_k_candidates_give_the_whole_vocabulary_log_probs_with_ties_and_toke
     kth = logits.topk(10, dim=-1).values[..., -1:]
     assert candidate_logits.size(-1) == int((logits >= kth).sum(-1).max()) + 1 > 11  # ties kept, plus the token
     assert torch.isfinite(candidate_logits).sum(-1).min() >= 1
+
+
+@pytest.mark.parametrize("top_k", [0, 4])  # 4: the tie at the 4th value brings in the 5th
+def test_top_p_keeps_or_cuts_a_tie_whole_whatever_the_vocabulary_order(top_k):
+    # masses 0.4, 0.2, 0.2, 0.1, 0.1: at top_p 0.5 the two tied 0.2 tokens stay together (0.8 kept, not 0.6)
+    logits = torch.tensor([0.4, 0.2, 0.2, 0.1, 0.1]).log()
+    for order in ([0, 1, 2, 3, 4], [2, 4, 0, 1, 3], [4, 3, 2, 1, 0]):
+        values, ids = sampling.candidates(logits[order], 1.0, top_k=top_k, top_p=0.5)
+        ids = torch.tensor(order)[ids] if ids is not None else torch.tensor(order)
+        kept = set(ids[torch.isfinite(values)].tolist())
+        assert kept == {0, 1, 2}
 
 
 def test_entropy_of_uniform_and_certain():
