@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from agent_trainer import attention
+
 BUILTINS = ("builtin:tiny", "builtin:smollm2-135m-instruct")
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,6 +51,7 @@ def load_model(name: str, *, tokenizer: str | None = None, dtype: str = "float32
     try:
         tok = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer) if tokenizer else path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device)
+        attention.use(model)
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise OSError(f"cannot load model {name!r} ({first}); give a local directory with config.json, a hub id "

@@ -56,7 +56,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from agent_trainer import adapters, losses, rng, sampling, shared_prompts
+from agent_trainer import adapters, attention, losses, rng, sampling, shared_prompts
 from agent_trainer.engines import left_pad, make_engine, model_logps
 from agent_trainer.models import (
     DTYPES, SOURCE_MARKER, context_problem, load_model, resolve_model_path, source_fingerprint,
@@ -380,6 +380,7 @@ class AgentTrainer:
 
     def _set_weights(self, model) -> None:
         """Make `model` the policy, on this trainer's device, and put its weights into the rollout engine."""
+        attention.use(model)
         self.model = model.to(self.device).eval()
         self.engine.sync(self.model)
 

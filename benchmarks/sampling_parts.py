@@ -8,14 +8,17 @@ One thread, the two methods of each part alternating, medians over `--repeats`:
                 logits (what the update does after the model), top-k 50 and top-k off: the whole
                 vocabulary masked to -inf (the earlier method) against `sampling.token_logps`, which
                 carries the top-k candidates only
+  top-k         the top-k candidates of (8, 32, V) bf16 logits (ties at the k-th value are common in bf16):
+                a top-k pass, then a second one over the whole vocabulary when the k-th value is tied
+                (earlier) against one pass of top_k + 16, which holds the ties unless they run past it
   noise         one decode step's sampling noise for 8 rows: `exponential_` over the vocabulary (earlier)
                 against float64 uniforms (the exponential race's -log u, over 50 candidates)
   decode step   one token of an 8-row decode of the model (after a 90-token prefill), autocast bf16 and
                 fp32, under `inference_mode` (earlier) against `no_grad`: autocast keeps its casts of the
                 weights for the call only outside inference mode
   attention     forward + backward of the update's model pass (8 x 32 new tokens after 2 distinct
-                90-token prompts, bf16 autocast) with SDPA (marsi) against eager attention (left alone:
-                its memory grows with the square of the length)
+                90-token prompts, bf16 autocast) with SDPA (earlier) against `agent_trainer.attention`
+                (short attentions written out as two matrix products, longer ones SDPA's)
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import bench_common as bc  # noqa: E402
-from agent_trainer import losses, sampling, shared_prompts  # noqa: E402
+from agent_trainer import attention, losses, sampling, shared_prompts  # noqa: E402
 from agent_trainer.models import load_model  # noqa: E402
 
 B, T, PROMPT = 8, 32, 90
@@ -48,6 +51,13 @@ def dense_token_logps(logits: torch.Tensor, tokens: torch.Tensor, top_k: int) ->
         removed = (z.detach() < kth).scatter(-1, tokens.unsqueeze(-1), False)
         z = z.masked_fill(removed, float("-inf"))
     return z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - z.logsumexp(-1), z
+
+
+def two_pass_candidates(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The earlier method: the ids at or above the k-th logit, with a second top-k when the k-th value is tied."""
+    kth = logits.topk(top_k, dim=-1).values[..., -1:]
+    width = int((logits >= kth).sum(-1).max())
+    return logits.topk(width, dim=-1).indices
 
 
 def time_it(fn) -> float:
@@ -103,20 +113,22 @@ def main() -> None:
     distinct, index = torch.randint(0, V, (2, PROMPT), generator=gen), torch.arange(B) // (B // 2)
     completions = torch.randint(0, V, (B, T), generator=gen)
 
-    def update_pass(attention):
+    def update_pass(implementation):
         def run():
-            model.set_attn_implementation(attention)
+            model.set_attn_implementation(implementation)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 out = shared_prompts.completion_logits(model, distinct, torch.ones_like(distinct), index, completions,
                                                        torch.ones_like(completions))
             out.float().logsumexp(-1).sum().backward()
             model.zero_grad(set_to_none=True)
-            model.set_attn_implementation("sdpa")
+            model.set_attn_implementation(attention.NAME)
         return run
 
     parts = {
         "log-probs, top-k 50": {"earlier (whole vocabulary)": logps("earlier", 50), "marsi (candidates)": logps("marsi", 50)},
         "log-probs, top-k off": {"earlier (whole vocabulary)": logps("earlier", 0), "marsi": logps("marsi", 0)},
+        "top-k candidates": {"earlier (second pass on ties)": lambda: two_pass_candidates(logits, 50),
+                             "marsi (top_k + 16 in one pass)": lambda: sampling.candidates(logits, 1.0, 50)},
         "noise per decode step": {"earlier (exponential_)": lambda: exponential.exponential_(generator=gen),
                                   "marsi (float64 uniform, -log)": lambda: -uniform.uniform_(generator=gen)
                                   .gather(1, ids).log()},
@@ -124,7 +136,8 @@ def main() -> None:
                               "marsi (no_grad)": decode_step(torch.no_grad, "bf16")},
         "decode step, fp32": {"earlier (inference_mode)": decode_step(torch.inference_mode, "fp32"),
                               "marsi (no_grad)": decode_step(torch.no_grad, "fp32")},
-        "update pass, bf16": {"marsi (sdpa)": update_pass("sdpa"), "left alone (eager)": update_pass("eager")},
+        "update pass, bf16": {"earlier (sdpa)": update_pass("sdpa"),
+                              "marsi (short ones written out)": update_pass(attention.NAME)},
     }
     print(f"{args.model}: {B} rows, 1 thread, median of {args.repeats}")
     print(f"{'part':24s} {'method':32s} {'ms':>9s} {'x first':>10s}")
