@@ -66,6 +66,7 @@ class _TrainerActor:
     CUDA_VISIBLE_DEVICES to its GPU."""
 
     def __init__(self, host, config, updates, threads):
+        started = time.perf_counter()
         import torch
 
         from agent_trainer.group import TrainerStartError, return_freed_memory
@@ -79,19 +80,22 @@ class _TrainerActor:
             self.host = Host(host, config, updates, where=self.node)
         except TrainerStartError as exc:  # reported by info(), so the driver gets one clean line
             self.error = str(exc)
+        self.start_s = time.perf_counter() - started  # imports, the models, the optimizer
 
     def call(self, agent: str, method: str | Callable, kwargs: dict[str, Any]):
         return self.host.call(agent, method, kwargs)
 
     def info(self) -> dict[str, dict[str, Any]]:
-        """Per agent of this host: its process, node, device and engine (the start error, if any, under "")."""
-        common = {"pid": os.getpid(), "error": self.error, "node": ray.get_runtime_context().get_node_id(),
+        """Per agent of this host: its process, node, device and engine, the seconds this actor took to start and
+        those its model took to load (the start error, if any, under "")."""
+        common = {"pid": os.getpid(), "error": self.error, "start_s": self.start_s,
+                  "node": ray.get_runtime_context().get_node_id(),
                   "node_label": self.node, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                   "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
         if self.host is None:
             return {"": {**common, "device": None, "engine": None}}
-        return {name: {**common, "host": self.host.name, "device": str(t.device), "engine": t.engine.name}
-                for name, t in self.host.trainers.items()}
+        return {name: {**common, "host": self.host.name, "device": str(t.device), "engine": t.engine.name,
+                       "load_s": t.load_seconds} for name, t in self.host.trainers.items()}
 
 
 def node_label(node_id: str) -> str:
@@ -147,7 +151,7 @@ class RayTrainers:
             self.workers.update(dict.fromkeys(layout[host], group))
         self.housemates = {agent: agents for agents in layout.values() for agent in agents}
         try:  # waits until every trainer is up, then joins each agent's workers into one group
-            info = self.info(timeout=config.train.start_timeout_s)
+            info = self.start_info = self.info(timeout=config.train.start_timeout_s)
             errors = [w["error"] for i in info.values() for w in i["workers"] if w["error"]]
             if not errors:
                 self._join_workers(info, config.train.start_timeout_s, config.train.call_timeout_s)

@@ -88,6 +88,7 @@ class AgentTrainer:
         self.compute_dtype = DTYPES[agent.dtype]
         _seed_everything(seed)
         self.shared = None
+        loading = time.perf_counter()
         if agent.adapter is not None:  # the base stays frozen in agent.dtype; the adapter trains in float32
             self.shared = base if base is not None else adapters.SharedBase()
             self.model, self.tokenizer = self.shared.attach(name, agent, device=self.device, trainable=trainable)
@@ -105,6 +106,7 @@ class AgentTrainer:
                                   tokenizer_path=resolve_model_path(agent.tokenizer) if agent.tokenizer else model_path,
                                   stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id, device=self.device,
                                   seed=seed, autocast=self._autocast)
+        self.load_seconds = time.perf_counter() - loading  # the model, its tokenizer and its rollout engine
         self.ref_model = self.optimizer = None
         if trainable:
             if algorithm.beta > 0 and self.shared is not None:

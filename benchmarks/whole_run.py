@@ -11,7 +11,8 @@ per agent with 1 thread, a checkpoint at step 0 and at the last step), CoMLRL in
 
   wall          seconds from starting the process to its exit
   start-up      seconds from starting the process to the first step (imports, Ray, model loads, marsi's
-                step-0 checkpoint)
+                step-0 checkpoint); marsi's run lines add the seconds beyond its slowest model load and the
+                coordinator's split (`Coordinator.startup`: Ray, the trainers with their imports)
   s/step        median seconds per training step (marsi's run lines add its generate / update split)
   RSS, PSS      peak over the run of the summed resident / proportional set size of the process and all its
                 descendants (driver, Ray's processes, trainer actors), sampled every second; PSS splits pages
@@ -74,7 +75,7 @@ def main() -> None:
         for name in contenders if r % 2 == 0 else contenders[::-1]:  # who goes first alternates
             report = measure(name, args)
             runs[name].append(report)
-            print(f"  run {r + 1} {name:6s}: wall {report['wall_s']:.1f} s, start-up {report['ready_s']:.1f} s, "
+            print(f"  run {r + 1} {name:6s}: wall {report['wall_s']:.1f} s, start-up {report['ready_s']:.1f} s{_startup(report)}, "
                   f"s/step {statistics.median(report['step_s']):.2f}{_split(report)}, peak RSS {report['rss_mb']:.0f} MB, "
                   f"peak PSS {report['pss_mb']:.0f} MB", flush=True)
     print(f"after: {bc.load_line()}\n")
@@ -169,6 +170,7 @@ def run_marsi(args) -> dict:
     return {"ready_s": first_step_start - float(os.environ["MARSI_BENCH_START"]),
             "step_s": [m["time/step"] for m in steps], "checkpoint_mb": checkpoints,
             "generate_s": [m["time/generate"] for m in steps], "update_s": [m["time/update"] for m in steps],
+            "startup": coord.startup,
             "reward": [m["reward/mean"] for m in steps]}
 
 
@@ -177,6 +179,16 @@ def _split(report: dict) -> str:
     if "generate_s" not in report:
         return ""
     return f" (generate {statistics.median(report['generate_s']):.2f} / update {statistics.median(report['update_s']):.2f})"
+
+
+def _startup(report: dict) -> str:
+    """marsi's start-up beyond loading the models (the slowest trainer's model, tokenizer and engine), and the
+    parts the coordinator times: Ray, the trainers (their imports included)."""
+    if "startup" not in report:
+        return ""
+    up = report["startup"]
+    return (f" ({report['ready_s'] - up['model_load_s']:.1f} s beyond the model loads of {up['model_load_s']:.1f} s; "
+            f"Ray {up['ray_s']:.1f} s, trainers {up['trainers_s']:.1f} s)")
 
 
 def run_comlrl(args) -> dict:

@@ -78,6 +78,7 @@ class Coordinator:
         self.restarts = 0
         self.stop_requested = False
         self._owns_ray = False
+        self.startup: dict[str, float] = {}  # seconds: Ray, the trainers, the slowest model load, all of start()
         self._seconds = defaultdict(float)
         self._warned: set[tuple[str, str]] = set()
 
@@ -96,16 +97,27 @@ class Coordinator:
             return
         if self.log is not None:
             self.log.claim(resume=self.resuming)
+        began = time.perf_counter()
         try:
             if self.config.ray.enabled:
                 from agent_trainer.actor import init_ray
 
                 self._owns_ray = init_ray(self.config.ray)
+            ray_up = time.perf_counter()
             self.trainers = self._start_trainers()
+            trainers_up = time.perf_counter()
             self._check_storage_reach()
         except BaseException:
             self.close()
             raise
+        info = getattr(self.trainers, "start_info", None) or self.trainers.info()
+        self.startup = {"ray_s": ray_up - began, "trainers_s": trainers_up - ray_up,
+                        "model_load_s": max(w.get("load_s", 0.0) for i in info.values() for w in i.get("workers", [i])),
+                        "total_s": time.perf_counter() - began}
+        print(f"marsi: up in {self.startup['total_s']:.1f} s: "
+              + (f"Ray {self.startup['ray_s']:.1f} s, " if self.config.ray.enabled else "")
+              + f"trainers {self.startup['trainers_s']:.1f} s (the slowest model load "
+              f"{self.startup['model_load_s']:.1f} s)", file=sys.stderr)
         if self.log is not None and not self.resuming:
             self.log.write_config(self.config)
             self.log.snapshot_sources([self.config.environment.name, self.config.data.factory])

@@ -59,6 +59,11 @@ def test_each_agent_is_its_own_process_on_its_own_gpu(ray_cluster):
     assert visible == ["0", "1"], info
     assert all(i["device"] == "cpu" for i in info.values())  # no CUDA here: falls back to CPU
     assert len(history) == 2
+    # start-up, timed: each actor's start holds its model load; the coordinator reports the slowest load
+    assert all(0 < i["load_s"] < i["start_s"] for i in info.values())
+    up = coord.startup
+    assert up["model_load_s"] == max(i["load_s"] for i in info.values())
+    assert up["model_load_s"] < up["trainers_s"] < up["total_s"] and up["ray_s"] >= 0
 
 
 def test_same_seed_same_metrics_with_ray_on_and_off(ray_cluster):
