@@ -114,10 +114,6 @@ class Coordinator:
         self.startup = {"ray_s": ray_up - began, "trainers_s": trainers_up - ray_up,
                         "model_load_s": max(w.get("load_s", 0.0) for i in info.values() for w in i.get("workers", [i])),
                         "total_s": time.perf_counter() - began}
-        print(f"marsi: up in {self.startup['total_s']:.1f} s: "
-              + (f"Ray {self.startup['ray_s']:.1f} s, " if self.config.ray.enabled else "")
-              + f"trainers {self.startup['trainers_s']:.1f} s (the slowest model load "
-              f"{self.startup['model_load_s']:.1f} s)", file=sys.stderr)
         if self.log is not None and not self.resuming:
             self.log.write_config(self.config)
             self.log.snapshot_sources([self.config.environment.name, self.config.data.factory])
