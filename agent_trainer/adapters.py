@@ -93,7 +93,7 @@ class BaseOnly:
     """The shared base with every adapter off: an adapter agent's KL reference, without a copy of the weights."""
 
     def __init__(self, model):
-        self.model = model
+        self.model, self.config = model, model.config
 
     def forward(self, **kwargs):
         with self.model.disable_adapter():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers import DynamicCache
 
 
 def distinct_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,12 +45,32 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(1) - 1).clamp(min=0)
 
 
+def keys_as_values_cache(model) -> DynamicCache:
+    """The model's KV cache, storing each layer's keys in its values' dtype.
+
+    Under autocast the rotary embedding leaves the keys in float32 (the bf16 projection times float32
+    cos / sin) while the values come out of their projection in bf16; attention casts the keys to bf16
+    anyway, at every step the whole cache. Stored in bf16 they give the same attention bit for bit (the
+    same cast, done once), in half the memory, and a SmolLM2 generate of 8 x 32 tokens took 1.61 s
+    against 1.73 s (medians of 6, alternating, one thread). Without autocast both are float32: no change."""
+    cache = DynamicCache(config=model.config)
+    for layer in cache.layers:
+        layer.update = _keys_cast_to_values(layer.update)
+    return cache
+
+
+def _keys_cast_to_values(update):
+    def cast_update(key_states, value_states, *args, **kwargs):
+        return update(key_states.to(value_states.dtype), value_states, *args, **kwargs)
+    return cast_update
+
+
 def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, index: torch.Tensor):
     """Forward of the distinct (U, P) prompts with the KV cache; returns the (B, 1, V) next-token logits of every
     row and the cache gathered to the B rows that `index` maps onto them."""
     cache_arg = cache_argument(model)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions(prompt_mask),
-                use_cache=True, logits_to_keep=1, **{cache_arg: None})
+                use_cache=True, logits_to_keep=1, **{cache_arg: keys_as_values_cache(model)})
     cache = out[cache_arg]
     if torch.equal(index, torch.arange(prompt_ids.size(0), device=index.device)):  # one row per prompt, in order
         return out.logits, cache

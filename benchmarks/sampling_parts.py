@@ -5,7 +5,7 @@
 One thread, the two methods of each part alternating, medians over `--repeats`:
 
   log-probs     forward + backward of the completion tokens' log-probs and the entropy from (8, 32, V) bf16
-                logits (what the update does after the model), top-k 50 and top-k off: the whole
+                logits at temperature 0.7 (what the update does after the model), top-k 50 and top-k off: the whole
                 vocabulary masked to -inf (the earlier method) against `sampling.token_logps`, which
                 carries the top-k candidates only
   top-k         the top-k candidates of (8, 32, V) bf16 logits (ties at the k-th value are common in bf16):
@@ -16,6 +16,8 @@ One thread, the two methods of each part alternating, medians over `--repeats`:
   decode step   one token of an 8-row decode of the model (after a 90-token prefill), autocast bf16 and
                 fp32, under `inference_mode` (earlier) against `no_grad`: autocast keeps its casts of the
                 weights for the call only outside inference mode
+  KV cache      one bf16 decode step with the keys cached in float32 (what autocast's rotary embedding
+                leaves; attention casts them at every step) against cached in bf16 (`keys_as_values_cache`)
   attention     forward + backward of the update's model pass (8 x 32 new tokens after 2 distinct
                 90-token prompts, bf16 autocast) with SDPA (earlier) against `agent_trainer.attention`
                 (short attentions written out as two matrix products, longer ones SDPA's)
@@ -35,17 +37,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 from agent_trainer import attention, losses, sampling, shared_prompts  # noqa: E402
 from agent_trainer.models import load_model  # noqa: E402
 
 B, T, PROMPT = 8, 32, 90
+TEMPERATURE = 0.7  # the update divides by each completion's temperature
 
 
-def dense_token_logps(logits: torch.Tensor, tokens: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The earlier method: (B, T, V) float32 logits with -inf outside the top-k set (the token kept)."""
-    z = logits.float()
+def dense_token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                      top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The earlier method: (B, T, V) float32 tempered logits with -inf outside the top-k set (the token kept)."""
+    z = logits.float() / temperature
     if top_k:
         kth = z.detach().topk(top_k, dim=-1).values[..., -1:]
         removed = (z.detach() < kth).scatter(-1, tokens.unsqueeze(-1), False)
@@ -83,8 +88,8 @@ def main() -> None:
     def logps(method, top_k):
         def run():
             z = logits.clone().requires_grad_()
-            values, candidates = (dense_token_logps(z, tokens, top_k) if method == "earlier"
-                                  else sampling.token_logps(z, tokens, 1.0, top_k))
+            values, candidates = (dense_token_logps(z, tokens, TEMPERATURE, top_k) if method == "earlier"
+                                  else sampling.token_logps(z, tokens, TEMPERATURE, top_k))
             values.sum().backward()
             with torch.no_grad():
                 losses.entropy_from_logits(candidates)
@@ -96,10 +101,14 @@ def main() -> None:
     prompts = torch.randint(0, V, (2, PROMPT), generator=gen).repeat_interleave(B // 2, 0)
     mask = torch.ones_like(prompts)
 
-    def decode_step(mode, dtype):
+    cast_keys_cache = shared_prompts.keys_as_values_cache
+
+    def decode_step(mode, dtype, keys_cast=True):
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
 
         def run():
+            shared_prompts.keys_as_values_cache = (cast_keys_cache if keys_cast
+                                                   else lambda model: DynamicCache(config=model.config))
             with mode(), autocast:  # a prefill, then one timed step inside the same call
                 logits, cache = shared_prompts.prefill(model, prompts, mask, torch.arange(B))
                 next_mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
@@ -108,6 +117,7 @@ def main() -> None:
                       position_ids=torch.full((B, 1), PROMPT), use_cache=True, logits_to_keep=1,
                       **{shared_prompts.cache_argument(model): cache})
                 run.seconds = time.perf_counter() - start
+            shared_prompts.keys_as_values_cache = cast_keys_cache
         return run
 
     distinct, index = torch.randint(0, V, (2, PROMPT), generator=gen), torch.arange(B) // (B // 2)
@@ -134,6 +144,8 @@ def main() -> None:
                                   .gather(1, ids).log()},
         "decode step, bf16": {"earlier (inference_mode)": decode_step(torch.inference_mode, "bf16"),
                               "marsi (no_grad)": decode_step(torch.no_grad, "bf16")},
+        "decode step, bf16 keys": {"earlier (float32 keys cached)": decode_step(torch.no_grad, "bf16", False),
+                                   "marsi (keys cached as bf16)": decode_step(torch.no_grad, "bf16")},
         "decode step, fp32": {"earlier (inference_mode)": decode_step(torch.inference_mode, "fp32"),
                               "marsi (no_grad)": decode_step(torch.no_grad, "fp32")},
         "update pass, bf16": {"earlier (sdpa)": update_pass("sdpa"),

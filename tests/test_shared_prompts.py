@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from agent_trainer import sampling, shared_prompts
 from agent_trainer.engines import left_pad
@@ -101,3 +102,23 @@ def test_decode_with_shared_prefill_matches_the_teacher_forced_log_probs(tiny):
                                                   batch.completion_ids, batch.completion_mask)
     teacher = logits.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     assert (teacher - logps).abs().max() < 1e-5
+
+
+def test_under_autocast_the_cache_keeps_keys_in_bf16_with_the_same_samples_and_log_probs(tiny, monkeypatch):
+    ids, mask = left_pad(PROMPTS, pad=0, device="cpu")
+
+    def run():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return sampling.sample(tiny, ids, mask, max_new_tokens=6, temperature=1.0, top_k=0, top_p=1.0,
+                                   stop_ids=[], pad_id=0, generator=torch.Generator().manual_seed(0))
+
+    made = []
+    cast = shared_prompts.keys_as_values_cache
+    monkeypatch.setattr(shared_prompts, "keys_as_values_cache", lambda model: made.append(cast(model)) or made[-1])
+    tokens, _, logps = run()
+    assert {layer.keys.dtype for layer in made[-1].layers} == {torch.bfloat16}
+    monkeypatch.setattr(shared_prompts, "keys_as_values_cache",
+                        lambda model: made.append(DynamicCache(config=model.config)) or made[-1])
+    plain_tokens, _, plain_logps = run()
+    assert {layer.keys.dtype for layer in made[-1].layers} == {torch.float32}  # what rotary leaves
+    assert torch.equal(tokens, plain_tokens) and torch.equal(logps, plain_logps)
