@@ -16,6 +16,7 @@ the distinct prompts (left-padded), then every row's completion attending to its
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from transformers import DynamicCache
@@ -55,14 +56,18 @@ def keys_as_values_cache(model) -> DynamicCache:
     against 1.73 s (medians of 6, alternating, one thread). Without autocast both are float32: no change."""
     cache = DynamicCache(config=model.config)
     for layer in cache.layers:
-        layer.update = _keys_cast_to_values(layer.update)
+        _cast_keys_to_values(layer)
     return cache
 
 
-def _keys_cast_to_values(update):
+def _cast_keys_to_values(layer) -> None:
+    """Wrap `layer.update`; the wrapper holds the layer weakly, so no reference cycle keeps the cache (and an
+    update's graph reached through its keys) alive until a garbage-collector pass."""
+    update, this = type(layer).update, weakref.ref(layer)
+
     def cast_update(key_states, value_states, *args, **kwargs):
-        return update(key_states.to(value_states.dtype), value_states, *args, **kwargs)
-    return cast_update
+        return update(this(), key_states.to(value_states.dtype), value_states, *args, **kwargs)
+    layer.update = cast_update
 
 
 def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, index: torch.Tensor):

@@ -1,5 +1,8 @@
 """A prompt shared by several completions runs through the model once: same logits, same gradient, less work."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -122,3 +125,38 @@ def test_under_autocast_the_cache_keeps_keys_in_bf16_with_the_same_samples_and_l
     plain_tokens, _, plain_logps = run()
     assert {layer.keys.dtype for layer in made[-1].layers} == {torch.float32}  # what rotary leaves
     assert torch.equal(tokens, plain_tokens) and torch.equal(logps, plain_logps)
+
+
+def test_the_cache_is_freed_when_its_last_reference_goes(tiny):
+    # a reference cycle would keep it, and an update's graph reached through its keys, until the next gc pass
+    gc.disable()
+    try:
+        cache = shared_prompts.keys_as_values_cache(tiny)
+        layer = weakref.ref(cache.layers[0])
+        del cache
+        assert layer() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generate_and_update_leave_no_reference_cycles_holding_tensors(dtype):
+    # tensors in a cycle (a graph, the KV cache) stay resident until a garbage-collector pass
+    agent = AgentConfig(model="builtin:tiny", dtype=dtype, micro_batch_size=8, generation={"max_completion_length": 4})
+    trainer = AgentTrainer("a", agent, AlgorithmConfig(), seed=0)
+    prompts = ["ab", "ab", "ab", "ab", "cde", "cde", "cde", "cde"]
+    trainer.update(UpdateRequest(experiences=[Experience.from_completion(c, 1.0 - 2 * (i % 2)) for i, c in
+                                              enumerate(trainer.generate(GenerateRequest(prompts=prompts, seed=0)).completions)]))
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a pass frees stays in gc.garbage, to look at
+    try:
+        result = trainer.generate(GenerateRequest(prompts=prompts, seed=1))
+        trainer.update(UpdateRequest(experiences=[Experience.from_completion(c, 1.0 - 2 * (i % 2))
+                                                  for i, c in enumerate(result.completions)]))
+        gc.collect()
+        assert not [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
