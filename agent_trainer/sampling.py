@@ -98,10 +98,12 @@ def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float |
     generation's (or, with num_iterations > 1, because the policy moved)."""
     values, ids = candidates(logits, temperature, top_k, top_p)
     index = tokens.unsqueeze(-1)  # (..., 1)
+    if ids is None and top_p >= 1.0:
+        # nothing was cut: the token's tempered logit is one of the values (one backward path through V, not two)
+        return values.gather(-1, index).squeeze(-1) - values.logsumexp(-1), values
     picked = logits.gather(-1, index).float() / temperature  # (..., 1) the token's tempered logit
-    if ids is None:
-        if top_p < 1.0:  # back in if top-p cut it (without top-p nothing is cut: no copy of the V columns)
-            values = values.scatter(-1, index, picked)
+    if ids is None:  # top-p only: back in if top-p cut it
+        values = values.scatter(-1, index, picked)
     else:
         is_token = ids == index  # (..., K)
         values = torch.where(is_token, picked, values)  # back in if top-p cut it
