@@ -24,6 +24,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 NAME = "sdpa_short_math"
 MATH_ELEMENTS = 1 << 20  # scores per layer call written out (4 MB in fp32); beyond it, SDPA
+_SDPA_ONLY = ("position_bias", "softcap", "s_aux")  # arguments some models pass: they go to SDPA as before
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -33,7 +34,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     True where a query may attend, or None for plain causal); returns the (B, L, H, D) output."""
     B, H, L, D = query.shape
     S = key.size(2)
-    if (query.device.type != "cpu" or dropout or kwargs.get("position_bias") is not None
+    if (query.device.type != "cpu" or dropout or any(kwargs.get(k) is not None for k in _SDPA_ONLY)
             or (attention_mask is not None and attention_mask.dtype != torch.bool)
             or (L > 1 and B * H * L * S > MATH_ELEMENTS)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -53,7 +54,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None:  # the float32 minimum, not -inf: a row with nothing to attend stays finite
         scores = scores.masked_fill(~attention_mask.unsqueeze(2), torch.finfo(torch.float32).min)
     probs = scores.softmax(-1).to(value.dtype).view(B, H_kv, H // H_kv * L, -1)
-    return torch.matmul(probs, value).view(B, H, L, D).transpose(1, 2).contiguous(), None
+    return torch.matmul(probs, value).view(B, H, L, value.size(-1)).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(NAME, attention_forward)

@@ -49,12 +49,25 @@ def test_matches_sdpa_outputs_and_gradients(case):
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def test_values_with_a_head_size_of_their_own():
+    q, k, _ = inputs(L=4, S=6)
+    v = torch.randn(2, 2, 6, 5, requires_grad=True)  # value heads of 5, query and key heads of 8
+    mask = torch.ones(2, 1, 4, 6, dtype=torch.bool).tril(2)
+    (out, *grads), (mine, *my_grads) = both(q, k, v, mask)
+    assert mine.shape == out.shape == (2, 4, 6, 5)
+    assert torch.allclose(mine, out, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(my_grads, grads))
+
+
 def test_long_attentions_and_gpus_go_to_sdpa(monkeypatch):
     calls = []
     monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or (None, None))
     q, k, v = inputs(L=4, S=4)
     attention.attention_forward(Layer(), q, k, v, None)
     assert calls == []
+    attention.attention_forward(Layer(), q, k, v, None, softcap=50.0)  # softcapping: SDPA as before
+    assert calls == [1]
+    calls.clear()
     monkeypatch.setattr(attention, "MATH_ELEMENTS", 2 * 6 * 4 * 4 - 1)
     attention.attention_forward(Layer(), q, k, v, None)
     assert calls == [1]
