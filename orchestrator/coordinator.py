@@ -111,9 +111,9 @@ class Coordinator:
             self.close()
             raise
         info = getattr(self.trainers, "start_info", None) or self.trainers.info()
+        loads = [w.get("load_s", 0.0) for i in info.values() for w in i.get("workers", [i])]
         self.startup = {"ray_s": ray_up - began, "trainers_s": trainers_up - ray_up,
-                        "model_load_s": max(w.get("load_s", 0.0) for i in info.values() for w in i.get("workers", [i])),
-                        "total_s": time.perf_counter() - began}
+                        "model_load_s": max(loads, default=0.0), "total_s": time.perf_counter() - began}
         if self.log is not None and not self.resuming:
             self.log.write_config(self.config)
             self.log.snapshot_sources([self.config.environment.name, self.config.data.factory])
