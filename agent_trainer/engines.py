@@ -81,7 +81,7 @@ class HFEngine:
         ids, mask = left_pad(prompt_ids, self.pad_id, self.device)
         generator = torch.Generator(self.device).manual_seed(seed)
         # no_grad, not inference_mode: autocast casts each weight once per call only outside inference mode
-        # (measured on SmolLM2, bf16: 114 ms per decode step under no_grad, 202 ms under inference_mode)
+        # (benchmarks/sampling_parts.py, "decode step, bf16": 0.38-0.47x inference_mode's time on SmolLM2)
         with torch.no_grad(), self.autocast():
             completion_ids, lengths, per_token_logps = sampling.sample(
                 self.model, ids, mask, temperature=temperature, top_k=self.top_k, top_p=self.top_p,

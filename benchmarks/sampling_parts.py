@@ -21,6 +21,10 @@ One thread, the two methods of each part alternating, medians over `--repeats`:
   attention     forward + backward of the update's model pass (8 x 32 new tokens after 2 distinct
                 90-token prompts, bf16 autocast) with SDPA (earlier) against `agent_trainer.attention`
                 (short attentions written out as two matrix products, longer ones SDPA's)
+  decode attn   one layer's attention at a decode step with a padding mask, bf16 autocast, 8 rows x 100
+                cached tokens, SmolLM2's 9 query / 3 key heads, repeated 30 times (a step's layers):
+                transformers' SDPA path, which copies the keys and values per query head (`repeat_kv`,
+                earlier), against `agent_trainer.attention` (SDPA's `enable_gqa`, no copies)
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 from agent_trainer import attention, losses, sampling, shared_prompts  # noqa: E402
@@ -134,6 +139,22 @@ def main() -> None:
             model.set_attn_implementation(attention.NAME)
         return run
 
+    heads, kv_heads, head_dim = (model.config.num_attention_heads, model.config.num_key_value_heads,
+                                 model.config.hidden_size // model.config.num_attention_heads)
+    layer = model.model.layers[0].self_attn
+    query = torch.randn(B, heads, 1, head_dim, generator=gen).bfloat16()
+    cached_keys = torch.randn(B, kv_heads, 100, head_dim, generator=gen)  # float32, as rotary leaves them
+    cached_values = torch.randn(B, kv_heads, 100, head_dim, generator=gen).bfloat16()
+    padding = torch.ones(B, 1, 1, 100, dtype=torch.bool)
+    padding[: B // 2, :, :, :10] = False  # half the rows left-padded
+
+    def decode_attention(forward):
+        def run():
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                for _ in range(30):
+                    forward(layer, query, cached_keys, cached_values, padding, scaling=head_dim ** -0.5)
+        return run
+
     parts = {
         "log-probs, top-k 50": {"earlier (whole vocabulary)": logps("earlier", 50), "marsi (candidates)": logps("marsi", 50)},
         "log-probs, top-k off": {"earlier (whole vocabulary)": logps("earlier", 0), "marsi": logps("marsi", 0)},
@@ -148,6 +169,8 @@ def main() -> None:
                                    "marsi (keys cached as bf16)": decode_step(torch.no_grad, "bf16")},
         "decode step, fp32": {"earlier (inference_mode)": decode_step(torch.inference_mode, "fp32"),
                               "marsi (no_grad)": decode_step(torch.no_grad, "fp32")},
+        "decode attention, x30": {"earlier (repeat_kv + SDPA)": decode_attention(sdpa_attention_forward),
+                                  "marsi (SDPA enable_gqa)": decode_attention(attention.attention_forward)},
         "update pass, bf16": {"earlier (sdpa)": update_pass("sdpa"),
                               "marsi (short ones written out)": update_pass(attention.NAME)},
     }

@@ -59,7 +59,7 @@ def test_values_with_a_head_size_of_their_own():
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(my_grads, grads))
 
 
-def test_long_attentions_and_gpus_go_to_sdpa(monkeypatch):
+def test_long_attentions_and_arguments_it_does_not_handle_go_to_sdpa(monkeypatch):
     calls = []
     monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or (None, None))
     q, k, v = inputs(L=4, S=4)
