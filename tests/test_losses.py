@@ -152,3 +152,16 @@ def test_truncated_importance_weights_by_hand():
     overflow = losses.truncated_importance_weights(torch.tensor([0.0]), torch.tensor([-1e4]), cap=3.0)
     assert overflow.tolist() == [3.0]
     assert not losses.truncated_importance_weights(old.requires_grad_(), behaviour, 2.0).requires_grad
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (5, 0.8), (0, 0.8)])
+def test_a_nan_logit_makes_only_its_own_position_nan(top_k, top_p):
+    # the update refuses a non-finite loss; a NaN must neither vanish nor spread to other positions
+    logits = torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0))
+    logits[0, 1, 7] = float("nan")
+    tokens = torch.randint(0, 50, (2, 3), generator=torch.Generator().manual_seed(1))
+    logps, _ = sampling.token_logps(logits, tokens, 0.9, top_k=top_k, top_p=top_p)
+    assert torch.isnan(logps[0, 1])
+    finite = torch.ones(2, 3, dtype=torch.bool)
+    finite[0, 1] = False
+    assert torch.isfinite(logps[finite]).all()
