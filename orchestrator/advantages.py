@@ -13,7 +13,9 @@ names the wider pools.
   (episodes that ended early, per-(agent, role, turn) groups); the std is the population std (ddof=0),
   so a group of one gets advantage 0 instead of NaN; `eps` guards a zero std.
 - `ema_advantages` is the moving-average baseline of SPIRAL's role-conditioned advantage estimation
-  (Liu et al., 2025), kept per (agent, role) and starting at 0 as SPIRAL's does. Departure: SPIRAL
+  (Liu et al., 2025), starting at 0 as SPIRAL's does. Departures: it is kept per (agent, role, turn),
+  not per (agent, role), for the reason groups are: turns whose returns differ by design (discount < 1,
+  a reward paid on the last turn) would otherwise share one baseline and score each other. SPIRAL
   folds each game's return into b before scoring the next, so there a game's advantage depends on the
   games before it in the batch; here a batch's n returns are all scored against b from before the
   batch, then b <- decay**n * b + (1 - decay**n) * mean(returns): the weight n sequential updates leave
@@ -38,15 +40,15 @@ GROUP_KEYS = {
     "agent": lambda agent, role, turn: (agent,),
 }
 
-Baselines = dict[str, dict[str, float]]
-"""EMA baseline per agent, then per role."""
+Baselines = dict[str, dict[str, dict[str, float]]]
+"""EMA baseline per agent, then role, then turn (counted from 1, as a string: it is saved as JSON)."""
 
 
 def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
                          baselines: Baselines) -> dict[str, list[Experience]]:
     """Every action as an Experience with its advantage, grouped by agent. `baselines` is updated in
     place when `algorithm.baseline == "ema"`."""
-    actions, returns, keys = [], [], []
+    actions, returns, keys, seats = [], [], [], []
     group_key = GROUP_KEYS[algorithm.group_by]
     for episode in episodes:
         per_role = {r: discounted_returns(episode.role_rewards(r), algorithm.discount) for r in episode.env.possible_agents}
@@ -55,23 +57,30 @@ def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
                 actions.append(action)
                 returns.append(per_role[action.role][t])
                 keys.append((episode.sample_index, *group_key(action.agent, action.role, t)))
+                seats.append((action.agent, action.role, str(t + 1)))
     if not actions:
         return {}
     if algorithm.baseline == "group":
         advantages = group_relative_advantages(returns, keys, scale=algorithm.scale_rewards)
     else:
         advantages = [0.0] * len(actions)
-        seats = [(a.agent, a.role) for a in actions]
-        for agent, role in dict.fromkeys(seats):
-            idx = [i for i, seat in enumerate(seats) if seat == (agent, role)]
-            mine = baselines.setdefault(agent, {})
-            adv, mine[role] = ema_advantages(mine.get(role, 0.0), [returns[i] for i in idx], algorithm.ema_decay)
+        for agent, role, turn in dict.fromkeys(seats):
+            idx = [i for i, seat in enumerate(seats) if seat == (agent, role, turn)]
+            mine = baselines.setdefault(agent, {}).setdefault(role, {})
+            adv, mine[turn] = ema_advantages(mine.get(turn, 0.0), [returns[i] for i in idx], algorithm.ema_decay)
             for i, a in zip(idx, adv):
                 advantages[i] = a
     out: dict[str, list[Experience]] = {}
     for action, advantage in zip(actions, advantages):
         out.setdefault(action.agent, []).append(Experience.from_completion(action.completion, advantage))
     return out
+
+
+def saved_baselines(saved: dict, max_turns: int) -> Baselines:
+    """EMA baselines as a checkpoint holds them. One written while they were kept per (agent, role) gives
+    a role's value to each of its turns: the best estimate it has, refined from there."""
+    return {agent: {role: value if isinstance(value, dict) else {str(t): float(value) for t in range(1, max_turns + 1)}
+                    for role, value in roles.items()} for agent, roles in saved.items()}
 
 
 def group_relative_advantages(rewards: Sequence[float], group_ids: Sequence[Hashable], scale: bool = True,

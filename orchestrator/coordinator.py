@@ -22,7 +22,7 @@ from agent_trainer import storage
 from agent_trainer.group import TrainerFailure
 from agent_trainer.storage import Location, StorageError
 from orchestrator import rollout
-from orchestrator.advantages import experiences_by_agent
+from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines
 from orchestrator.data import DataPosition, load_samples, next_batch
 from orchestrator.evaluation import Evaluation, partner_agents
 from orchestrator.runlog import (
@@ -45,8 +45,8 @@ class CoordinatorState:
     episodes: int = 0
     """Episodes played: the next episode's index, which per-episode role rotation follows."""
     data: DataPosition = field(default_factory=DataPosition)
-    baselines: dict[str, dict[str, float]] = field(default_factory=dict)
-    """EMA return baseline per agent, then per role (algorithm.baseline == "ema")."""
+    baselines: Baselines = field(default_factory=dict)
+    """EMA return baseline per agent, role and turn (algorithm.baseline == "ema")."""
     loop_state: dict[str, Any] = field(default_factory=dict)
     """A custom loop's own state (JSON values), saved with each checkpoint and given back by restore."""
 
@@ -65,6 +65,7 @@ class Coordinator:
         self.assignment = RoleAssignment(config.roles)
         self.make_env = rollout.env_factory(config.environment.name, config.environment.kwargs)
         env = rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
+        self.max_turns = env.max_turns
         problem = seating_problem(config.roles, env.possible_agents)
         if problem:
             raise ConfigError(problem)
@@ -334,7 +335,7 @@ class Coordinator:
             say(f"checkpoint {candidate.name} is damaged ({problem}); falling back to {candidates[i + 1].name}")
         raw = read_checkpoint_state(candidate)
         self.state = CoordinatorState(step=raw["step"], episodes=raw["episodes"], data=DataPosition(**raw["data"]),
-                                      baselines=raw["baselines"], loop_state=raw.get("loop_state", {}))
+                                      baselines=saved_baselines(raw["baselines"], self.max_turns), loop_state=raw.get("loop_state", {}))
         self.log.truncate_after(self.state.step)
         self.restored_from = candidate
         return candidate

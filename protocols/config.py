@@ -245,14 +245,14 @@ class AlgorithmConfig(_Strict):
     discount: float = Field(1.0, ge=0.0, le=1.0)
     """Return of turn t: sum over k >= t of discount**(k - t) * reward_k."""
     baseline: Literal["group", "ema"] = "group"
-    """`group`: minus the group mean (GRPO). `ema`: minus an EMA of returns per (agent, role) (SPIRAL's RAE)."""
+    """`group`: minus the group mean (GRPO). `ema`: minus an EMA of returns per (agent, role, turn) (SPIRAL's RAE)."""
     group_by: Literal["agent_role_turn", "agent_role", "agent_turn", "agent"] = "agent_role_turn"
     """Which actions of one sample's episodes are compared: same agent, role and turn (like with like), or the
     wider pools `agent_role` (all turns of a role), `agent_turn` (all roles at a turn), `agent` (everything)."""
     scale_rewards: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False: Dr. GRPO."""
     ema_decay: float = Field(0.95, ge=0.0, lt=1.0)
-    """Decay of the per-(agent, role) EMA baseline, per return folded in."""
+    """Decay of the per-(agent, role, turn) EMA baseline, per return folded in."""
     beta: float = Field(0.0, ge=0.0)
     """Weight of the k3 KL to the frozen initial model; 0 loads no reference model."""
     epsilon: float = Field(0.2, gt=0.0)

@@ -121,7 +121,37 @@ def test_ema_baseline_ignores_episode_order_and_is_kept_per_agent_and_role():
     # two agents rotating through one seat keep separate baselines
     baselines = {}
     experiences_by_agent([_Ep({"X": "a"}, {"X": 1.0}).episode, _Ep({"X": "b"}, {"X": -1.0}).episode], alg, baselines)
-    assert baselines["a"]["X"] > 0 > baselines["b"]["X"]
+    assert baselines["a"]["X"]["1"] > 0 > baselines["b"]["X"]["1"]
+
+
+def test_ema_baseline_is_kept_per_turn_so_a_discounted_turn_is_not_scored_against_the_last():
+    """A perfect solver in SelfImproveEnv, discount 0.9: turn 1 returns 0.9 and turn 2 returns 1.0 in every
+    episode. Group baselines give 0 to both; an EMA shared by the role's two turns settles at 0.95 and scores
+    them -0.05 / +0.05 forever, an EMA per turn converges to 0 for both."""
+    from examples.self_improve.env import SelfImproveEnv, make_dataset
+
+    samples = list(make_dataset(8, seed=0))
+
+    def perfect(prompts_by_agent, seed):
+        answers = {s["question"]: s["answer"] for s in samples}
+        return {agent: [Completion(text=str(answers[next(q for q in answers if q in p)]), prompt_ids=[1],
+                                   completion_ids=[2], per_token_logps=[-1.0], finish_reason="stop") for p in prompts]
+                for agent, prompts in prompts_by_agent.items()}
+
+    alg = AlgorithmConfig(baseline="ema", discount=0.9)
+    baselines = {}
+    for batch in range(60):
+        episodes = rollout.play(SelfImproveEnv, samples, 1, lambda e, t: {"solver": "solo"}, perfect,
+                                seed=batch, first_episode=batch * len(samples))
+        advantages = [e.advantage for e in experiences_by_agent(episodes, alg, baselines)["solo"]]
+    assert max(abs(a) for a in advantages) < 1e-6
+    assert baselines["solo"]["solver"] == pytest.approx({"1": 0.9, "2": 1.0})
+
+
+def test_ema_baselines_saved_per_role_are_read_per_turn():
+    from orchestrator.advantages import saved_baselines
+
+    assert saved_baselines({"a": {"X": 0.5, "O": {"1": 0.2}}}, 2) == {"a": {"X": {"1": 0.5, "2": 0.5}, "O": {"1": 0.2}}}
 
 
 # ------------------------------------------------------------------------------ 3: fp32 master weights
