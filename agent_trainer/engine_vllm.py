@@ -6,9 +6,12 @@ How it meets the engine contract (`agent_trainer.engines`):
   before vLLM is imported), so a weight sync is an in-memory copy from the learner's tensors, with no
   serialisation and no second process per agent. On CPU no OpenMP threads are pinned
   (`VLLM_CPU_OMP_THREADS_BIND=nobind` unless set): the agent's actor owns its thread budget.
-- **Behaviour log-probs.** vLLM applies temperature, top-k and top-p in marsi's order; with
-  `logprobs_mode="processed_logprobs"` and `logprobs=0` it returns the sampled token's log-prob under that
-  processed, renormalised distribution: marsi's definition (`agent_trainer.sampling`). The model's
+- **Behaviour log-probs.** vLLM applies the temperature; its own top-k and top-p are switched off and
+  marsi's cut (`sampling.candidates`: a tie at either edge kept whole) runs in their place, as a logits
+  processor on the tempered logits (`MarsiCut`). vLLM's CPU top-p splits a tie at the edge by sort order,
+  so it would never sample tokens the learner counts as kept: a gap importance weights cannot close. With
+  `logprobs_mode="processed_logprobs"` and `logprobs=0` vLLM returns the sampled token's log-prob under
+  the cut, renormalised distribution: marsi's definition (`agent_trainer.sampling`). The model's
   `generation_config.json` is ignored (`generation_config="vllm"`); the stop ids are the learner's
   (`sampling.stop_token_ids`) and only those (`ignore_eos`, so vLLM adds none of its own).
   Temperature 0 decodes greedily, with log-prob 0 for every token, as marsi's loop.
@@ -36,6 +39,7 @@ import warnings
 import torch
 
 from agent_trainer.engines import Rollout
+from agent_trainer.sampling import candidates
 from protocols.config import GenerationConfig, VLLMConfig
 
 _CPU_KV_CACHE_GB = 1.0
@@ -87,7 +91,8 @@ class VLLMEngine:
                     model=model_path, tokenizer=tokenizer_path, dtype=dtype, seed=seed,
                     max_model_len=self.max_model_len, max_num_seqs=settings.max_num_seqs,
                     enforce_eager=settings.enforce_eager, logprobs_mode="processed_logprobs",
-                    generation_config="vllm", enable_prefix_caching=True, use_tqdm_on_load=False, **kwargs)
+                    generation_config="vllm", enable_prefix_caching=True, use_tqdm_on_load=False,
+                    logits_processors=[marsi_cut_processor()], **kwargs)
         finally:
             # vLLM's CPU worker replaces torch.set_num_threads process-wide to protect the OpenMP threads it
             # pins; marsi pins none (nobind) and sets one thread budget per agent, so the real one comes back.
@@ -106,8 +111,8 @@ class VLLMEngine:
                              "generation.max_completion_length instead of overriding it per request")
         if any(not p for p in prompt_ids):
             raise ValueError("the vllm engine cannot complete an empty prompt; give every prompt at least one token")
-        params = [SamplingParams(temperature=temperature, top_k=self.generation.top_k, top_p=self.generation.top_p,
-                                 max_tokens=max_new_tokens, seed=row_seed(seed, first_row + i), logprobs=0,
+        cut = {CUT_KEY: [self.generation.top_k, self.generation.top_p]}  # marsi's cut, in place of vLLM's
+        params = [SamplingParams(temperature=temperature, top_k=0, top_p=1.0, extra_args=cut, max_tokens=max_new_tokens, seed=row_seed(seed, first_row + i), logprobs=0,
                                  stop_token_ids=self.stop_ids, ignore_eos=True, detokenize=False,
                                  skip_special_tokens=False)  # ignore_eos: marsi's stop ids are the only ones
                   for i in range(len(prompt_ids))]
@@ -157,6 +162,45 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.llm = None
+
+
+CUT_KEY = "marsi_cut"
+"""The `SamplingParams.extra_args` key holding a request's [top_k, top_p] for `MarsiCut`."""
+
+
+def marsi_cut_processor() -> type:
+    """`MarsiCut`: a vLLM logits processor that cuts each request's tempered logits with marsi's top-k and top-p
+    (`sampling.candidates`), -inf where cut. Argmax-invariant, so vLLM runs it after the temperature and
+    before its own top-k / top-p (switched off by the request). Defined on first use: vLLM is imported late."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    class MarsiCut(LogitsProcessor):
+        def __init__(self, vllm_config, device, is_pin_memory):
+            self.cuts: dict[int, tuple[int, float]] = {}  # batch row -> (top_k, top_p)
+
+        def is_argmax_invariant(self) -> bool:
+            return True  # top-k and top-p never cut the most likely token
+
+        def update_state(self, batch_update) -> None:
+            def new_state(params, prompt_ids, output_ids):
+                top_k, top_p = (params.extra_args or {}).get(CUT_KEY, (0, 1.0))
+                return (int(top_k), float(top_p)) if top_k or top_p < 1.0 else None
+            process_dict_updates(self.cuts, batch_update, new_state)
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:  # (B, V) tempered logits
+            by_cut: dict[tuple[int, float], list[int]] = {}
+            for row, cut in self.cuts.items():
+                by_cut.setdefault(cut, []).append(row)
+            for (top_k, top_p), rows in by_cut.items():
+                index = torch.tensor(rows, device=logits.device)
+                values, ids = candidates(logits[index], 1.0, top_k, top_p)  # (R, K), -inf where cut
+                if ids is not None:
+                    values = torch.full_like(logits[index], float("-inf")).scatter_(-1, ids, values)
+                logits[index] = values
+            return logits
+
+    return MarsiCut
 
 
 def _reprocess_output_head(model: torch.nn.Module) -> None:

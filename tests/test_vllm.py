@@ -8,6 +8,7 @@ handful of Ray actors in the coordinator tests.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 
@@ -68,6 +69,47 @@ def test_the_engine_returns_what_hf_generate_returns_with_behaviour_logps_of_the
     # the same request replays; another seed samples something else
     assert trainer.generate(request).completions == result.completions
     assert trainer.generate(request.model_copy(update={"seed": 2})).completions != result.completions
+
+
+def test_the_engine_cuts_a_tie_at_the_top_p_edge_whole_as_the_learner_does():
+    """Logits [2, 1, 1, 0] at top_p 0.6: the tie at the edge is kept whole. vLLM's own CPU top-p keeps one of the
+    two (log-probs [-0.313, -inf, -1.313, -inf]); the engine's cut gives marsi's [-0.551, -1.551, -1.551, -inf]."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate
+
+    from agent_trainer.engine_vllm import CUT_KEY, marsi_cut_processor
+    from agent_trainer.sampling import token_logps
+
+    logits = torch.tensor([[2.0, 1.0, 1.0, 0.0], [2.0, 1.0, 1.0, 0.0]])
+    cut = marsi_cut_processor()(None, torch.device("cpu"), False)
+    added = [(0, SamplingParams(top_k=0, top_p=1.0, extra_args={CUT_KEY: [0, 0.6]}), [1], []),
+             (1, SamplingParams(top_k=0, top_p=1.0, extra_args={CUT_KEY: [2, 1.0]}), [1], [])]
+    cut.update_state(BatchUpdate(batch_size=2, removed=[], added=added, moved=[]))
+    engine = cut.apply(logits.clone()).log_softmax(-1)
+    assert engine[0, :3].tolist() == pytest.approx([-0.5514, -1.5514, -1.5514], abs=1e-4) and engine[0, 3] == -math.inf
+    learner = token_logps(logits[:1].expand(3, 4), torch.arange(3), 1.0, 0, 0.6)[0]
+    assert torch.allclose(engine[0, :3], learner)
+    # top-k 2 keeps the tie at the k-th value whole too (three tokens)
+    assert engine[1, :3].tolist() == pytest.approx([-0.5514, -1.5514, -1.5514], abs=1e-4) and engine[1, 3] == -math.inf
+
+
+def test_the_engine_samples_from_the_learners_distribution_where_logits_tie_at_the_cut(trainer):
+    """Every token past the first three given a zero output row: their logits are exactly 0 at every position, in any
+    kernel, and the top-p edge falls inside that tie. The engine's behaviour log-probs equal the learner's; with
+    vLLM's own top-p, which splits the tie, 48 of the positions differ."""
+    embedding = trainer.model.get_input_embeddings().weight
+    saved = embedding.detach().clone()
+    try:
+        with torch.no_grad():
+            embedding[3:] = 0.0
+        trainer.engine.sync(trainer.model)
+        result = trainer.generate(GenerateRequest(prompts=["Say a", "Say bb"] * 4, seed=3))
+        experiences = [Experience.from_completion(c, 0.0) for c in result.completions]
+        assert gap(trainer.per_token_logps(experiences), [c.per_token_logps for c in result.completions]) < PARITY
+    finally:
+        with torch.no_grad():
+            embedding.copy_(saved)
+        trainer.engine.sync(trainer.model)
 
 
 def test_greedy_decoding_picks_the_tokens_marsis_loop_picks(trainer):
