@@ -229,25 +229,31 @@ def cmd_eval(args) -> int:
     names = args.compare or _checkpoint_names(args.checkpoint or ("last" if is_run else "initial"), log)
     if not is_run and set(names) != {"initial"}:
         raise ConfigError(f"{args.target}: a config has only initial models to evaluate; give a run directory for checkpoints")
-    results = {}
+    results, labels = {}, {}
     with Coordinator(config) as coord:
         for name in sorted(names, key=lambda n: n != "initial"):  # initial first: the trainers start there
+            step = 0
             if name != "initial":
-                coord.load_weights(_checkpoint_path(name, log))
+                path = _checkpoint_path(name, log)  # `last` resolves now: a run may still be adding checkpoints
+                coord.load_weights(path)
+                step = int(path.name[5:])
             result = coord.evaluation.run(coord.generate, coord.assignment)
-            results[name] = result
+            results[name], labels[name] = result, name if name != "last" else f"last (step {step})"
             if log is not None:
-                log.log_eval({"checkpoint": name, "time": time.time(), **result.metrics, "episodes": result.episodes})
-    _print_eval_table(results)
+                log.log_eval({"checkpoint": name, "step": step, "time": time.time(), **result.metrics,
+                              "episodes": result.episodes})
+    _print_eval_table({labels[name]: result for name, result in results.items()})
     if args.compare:
-        a, b = args.compare
-        if args.metric not in results[a].episodes[""]:
+        first, second = results[args.compare[0]], results[args.compare[1]]
+        a, b = labels[args.compare[0]], labels[args.compare[1]]
+        if args.metric not in first.episodes[""]:
             raise ConfigError(f"--metric {args.metric}: not reported by every episode; have "
-                              f"{', '.join(results[a].episodes[''])}")
-        c = compare(results[a].episodes[""][args.metric], results[b].episodes[""][args.metric])
+                              f"{', '.join(first.episodes[''])}")
+        c = compare(first.episodes[""][args.metric], second.episodes[""][args.metric], first.samples)
         verdict = "distinguishable from noise" if c["distinguishable"] else "NOT distinguishable from noise"
-        print(f"{args.metric} {b} - {a}: {c['difference']:+.4f} (95% CI {c['low']:+.4f} .. {c['high']:+.4f}; "
-              f"{a} {c['before']:.4f}, {b} {c['after']:.4f}; {c['episodes']} paired episodes): {verdict}")
+        print(f"{args.metric} {b} - {a}: {c['difference']:+.4f} (95% CI {c['low']:+.4f} .. {c['high']:+.4f} over "
+              f"{c['samples']} samples; {a} {c['before']:.4f}, {b} {c['after']:.4f}; {c['episodes']} paired episodes, "
+              f"temperature {config.eval.temperature:g}): {verdict}")
     return 0
 
 

@@ -71,6 +71,8 @@ class Coordinator:
             raise ConfigError(problem)
         self.samples = load_samples(config.data)
         self.evaluation = Evaluation(config, self.samples) if config.eval else None
+        if self.evaluation and (warning := self.evaluation.greedy_copies()):
+            say(warning)
         self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging, config.train.storage) if run_dir is not None else None

@@ -11,9 +11,12 @@ position, episode count, baseline or trainer RNG.
 
 Metrics, under `eval/` (`eval/LABEL/` for a partner setting): `reward/mean` (the shared reward; in
 per-role games the mean over roles) and `reward/ROLE`, `episode/KEY` for every `episode_info` entry,
-each with a `.../stderr` (standard error of the mean over episodes), `episodes`, and where episodes
-report `success`, `pass@k` for the k asked (the unbiased estimator 1 - C(n-c, k) / C(n, k) per sample,
-averaged, with its standard error over samples).
+each with a `.../stderr`, `episodes`, and where episodes report `success`, `pass@k` for the k asked
+(the unbiased estimator 1 - C(n-c, k) / C(n, k) per sample, averaged).
+
+Episodes of one sample are not independent (at temperature 0 with a deterministic environment they are
+copies), so every standard error and confidence interval is clustered per sample: computed over the
+per-sample means, with the samples as the units (n = samples, not episodes).
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class EvalResult:
     episodes: dict[str, dict[str, list[float]]]
     """Per setting label ("" as trained), per metric (`reward/mean`, `episode/KEY` that every episode reports),
     each episode's value in a fixed order: what `compare` pairs."""
+    samples: list[int]
+    """Each episode's held-out sample, in that order: the clusters `compare` takes its interval over."""
 
 
 class Evaluation:
@@ -89,6 +94,17 @@ class Evaluation:
                                             {**config.environment.kwargs, **self.eval.environment_kwargs})
         self.seed = config.train.seed if self.eval.seed is None else self.eval.seed
 
+    def greedy_copies(self) -> str | None:
+        """A warning when greedy evaluation plays several episodes per sample: copies, unless the environment
+        draws at random (the standard errors are per sample, so copies only cost time)."""
+        roles = self.config.roles
+        seatings = len({tuple(sorted(s.items())) for s in roles.seatings()}) if roles.rotation == "per_episode" else 1
+        if self.eval.temperature > 0 or self.eval.episodes_per_sample <= seatings:
+            return None
+        return (f"eval.episodes_per_sample is {self.eval.episodes_per_sample} at eval.temperature 0: greedy decoding "
+                f"plays copies of each sample's {seatings} distinct episode(s) unless the environment draws at random "
+                f"(pass@k then equals pass@1); set eval.temperature above 0, or eval.episodes_per_sample: {seatings}")
+
     def due(self, step: int) -> bool:
         """Before the first step, after the last, and every `eval.every` steps."""
         every = self.eval.every
@@ -96,7 +112,7 @@ class Evaluation:
 
     def run(self, generate, assignment) -> EvalResult:
         """Play every setting; `generate(prompts, seed, temperature)` is the coordinator's."""
-        metrics, values = {}, {}
+        metrics, values, samples = {}, {}, []
         settings = {"": {}, **self.eval.partners}
         for label, held in settings.items():
             seats = _seated(assignment, held, label)
@@ -106,7 +122,8 @@ class Evaluation:
             prefix = f"eval/{label}/" if label else "eval/"
             metrics.update({prefix + k: v for k, v in summarise(episodes, self.eval.pass_k).items()})
             values[label] = per_episode(episodes)
-        return EvalResult(metrics, values)
+            samples = [e.sample_index for e in episodes]
+        return EvalResult(metrics, values, samples)
 
 
 def _seated(assignment, held: dict[str, str], label: str):
@@ -140,13 +157,14 @@ def per_episode(episodes: list[rollout.Episode]) -> dict[str, list[float]]:
 def summarise(episodes: list[rollout.Episode], pass_k: list[int]) -> dict[str, float]:
     """Means with standard errors of the shared reward, per-role rewards and episode_info entries; pass@k."""
     out = {"episodes": float(len(episodes))}
-    series = {"reward/mean": [shared_reward(e) for e in episodes]}
+    series = {"reward/mean": [(e.sample_index, shared_reward(e)) for e in episodes]}
     for role in sorted({r for e in episodes if isinstance(e.total_reward(), dict) for r in e.total_reward()}):
-        series[f"reward/{role}"] = [e.total_reward()[role] for e in episodes]
+        series[f"reward/{role}"] = [(e.sample_index, e.total_reward()[role]) for e in episodes]
     for key in sorted({k for e in episodes for k in e.info}):
-        series[f"episode/{key}"] = [float(e.info[key]) for e in episodes if key in e.info]
-    for name, values in series.items():
-        out[name], out[f"{name}/stderr"] = statistics.fmean(values), stderr(values)
+        series[f"episode/{key}"] = [(e.sample_index, float(e.info[key])) for e in episodes if key in e.info]
+    for name, pairs in series.items():
+        out[name] = statistics.fmean(v for _, v in pairs)
+        out[f"{name}/stderr"] = stderr(per_sample_means([v for _, v in pairs], [s for s, _ in pairs]))
     if pass_k and any("success" in e.info for e in episodes):
         per_sample: dict[int, list[float]] = {}
         for e in episodes:
@@ -155,6 +173,14 @@ def summarise(episodes: list[rollout.Episode], pass_k: list[int]) -> dict[str, f
             values = [pass_at_k(len(s), int(round(sum(s))), k) for s in per_sample.values()]
             out[f"pass@{k}"], out[f"pass@{k}/stderr"] = statistics.fmean(values), stderr(values)
     return out
+
+
+def per_sample_means(values: list[float], samples: list[int]) -> list[float]:
+    """The mean of each sample's values (`samples[i]` is the sample of `values[i]`), in order of first appearance."""
+    grouped: dict[int, list[float]] = {}
+    for value, sample in zip(values, samples, strict=True):
+        grouped.setdefault(sample, []).append(value)
+    return [statistics.fmean(v) for v in grouped.values()]
 
 
 def stderr(values: list[float]) -> float:
@@ -174,12 +200,15 @@ _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
-def compare(before: list[float], after: list[float]) -> dict[str, float | bool]:
+def compare(before: list[float], after: list[float], samples: list[int] | None = None) -> dict[str, float | bool]:
     """Paired difference of two evaluations of the same episodes (same samples and seeds): mean of
-    after - before, its 95% confidence interval (Student's t), and whether the interval excludes 0."""
+    after - before, its 95% confidence interval (Student's t), and whether the interval excludes 0. The
+    interval is clustered per sample: over the per-sample mean differences (`samples[i]` is episode i's
+    sample; None: every episode a sample of its own), so copies of an episode add no confidence."""
     if len(before) != len(after) or not before:
         raise ValueError(f"compare needs the same episodes on both sides, got {len(before)} and {len(after)}")
     diffs = [b - a for a, b in zip(before, after)]
+    diffs = per_sample_means(diffs, list(range(len(diffs))) if samples is None else samples)
     mean, se = statistics.fmean(diffs), stderr(diffs)
     if len(diffs) < 2:  # one pair says nothing about noise
         low, high = -math.inf, math.inf
@@ -187,4 +216,5 @@ def compare(before: list[float], after: list[float]) -> dict[str, float | bool]:
         t = _T95[len(diffs) - 2] if len(diffs) <= 31 else 1.96
         low, high = mean - t * se, mean + t * se
     return {"before": statistics.fmean(before), "after": statistics.fmean(after), "difference": mean,
-            "low": low, "high": high, "episodes": len(diffs), "distinguishable": low > 0 or high < 0}
+            "low": low, "high": high, "episodes": len(before), "samples": len(diffs),
+            "distinguishable": low > 0 or high < 0}

@@ -59,7 +59,7 @@ def test_summary_means_standard_errors_and_pass_at_k():
     episodes = [episode(0, 1.0, 1.0), episode(0, 0.0, 0.0), episode(0, 0.0, 0.0)] + [episode(1, 1.0, 1.0)] * 3
     out = summarise(episodes, [1, 2])
     assert out["episodes"] == 6 and out["reward/mean"] == pytest.approx(4 / 6)
-    assert out["reward/mean/stderr"] == pytest.approx((4 / 6 * 2 / 6 * 6 / 5) ** 0.5 / 6 ** 0.5)
+    assert out["reward/mean/stderr"] == pytest.approx(1 / 3)  # over the per-sample means 1/3 and 1: |1 - 1/3| / 2
     assert out["pass@1"] == pytest.approx((1 / 3 + 1) / 2)
     assert out["pass@2"] == pytest.approx((1 - 1 / 3 + 1) / 2)  # sample 0: 1 - C(2,2)/C(3,2)
 
@@ -71,6 +71,46 @@ def test_paired_comparison_by_hand():
     assert (c["low"], c["high"]) == pytest.approx((0.75 - 3.182 * se, 0.75 + 3.182 * se))
     assert not c["distinguishable"]  # the interval reaches below 0 with four episodes
     assert compare([0.0] * 10, [1.0] * 10)["distinguishable"]
+
+
+def test_comparisons_and_standard_errors_are_clustered_per_sample_so_copies_add_no_confidence():
+    """8 samples x 1 episode, then the same data copied 4 times (greedy evaluation of a deterministic environment
+    plays copies): the interval must not narrow. Episodes as units gave [0.130, 0.620], distinguishable."""
+    before = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    after = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    once = compare(before, after, list(range(8)))
+    copied = compare([v for v in before for _ in range(4)], [v for v in after for _ in range(4)],
+                     [s for s in range(8) for _ in range(4)])
+    assert (once["low"], once["high"]) == pytest.approx((-0.247, 0.997), abs=1e-3) and not once["distinguishable"]
+    assert (copied["low"], copied["high"]) == pytest.approx((once["low"], once["high"]))
+    assert not copied["distinguishable"] and copied["samples"] == 8 and copied["episodes"] == 32
+    # the summary's standard errors too: per-sample means are the units
+    class Stub(Environment):
+        possible_agents, max_turns = ["x"], 1
+
+        def reset(self, sample, seed=None):
+            return {}
+
+        def step(self, actions):
+            return None
+
+    def episode(sample, reward):
+        e = rollout.Episode(index=0, sample_index=sample, env=Stub())
+        e.turns = [rollout.Turn([], reward, {})]
+        return e
+
+    single = summarise([episode(s, r) for s, r in enumerate(after)], [])
+    four = summarise([episode(s, r) for s, r in enumerate(after) for _ in range(4)], [])
+    assert four["reward/mean/stderr"] == pytest.approx(single["reward/mean/stderr"]) and single["reward/mean/stderr"] > 0
+
+
+def test_greedy_evaluation_with_several_episodes_per_sample_is_warned_about_once(capsys):
+    with Coordinator(validate_config(with_eval(config(), episodes_per_sample=4, temperature=0.0))):
+        pass
+    assert capsys.readouterr().err.count("eval.episodes_per_sample is 4 at eval.temperature 0") == 1
+    with Coordinator(validate_config(with_eval(config(), episodes_per_sample=4))):  # temperature 1: samples
+        pass
+    assert "eval.episodes_per_sample" not in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------ in a run
@@ -135,11 +175,14 @@ def test_marsi_eval_on_a_finished_run_and_on_a_config(tmp_path):
     assert marsi("run", write(tmp_path, raw), "--run-dir", tmp_path / "run").returncode == 0
     out = marsi("eval", tmp_path / "run", "--compare", "initial", "last")
     assert out.returncode == 0, out.stderr
-    assert "reward/mean last - initial: " in out.stdout and "95% CI" in out.stdout and "8 paired episodes" in out.stdout
+    assert "reward/mean last (step 2) - initial: " in out.stdout and "95% CI" in out.stdout
+    assert "over 4 samples" in out.stdout and "8 paired episodes, temperature 1" in out.stdout
+    assert "last (step 2)" in out.stdout.splitlines()[2]
     written = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [w["checkpoint"] for w in written] == ["initial", "last"] and len(written[0]["episodes"][""]["reward/mean"]) == 8
+    assert [w["step"] for w in written] == [0, 2]
     out = marsi("eval", tmp_path / "run", "--compare", "initial", "last", "--metric", "episode/hits")
-    assert out.returncode == 0 and "episode/hits last - initial: " in out.stdout, out.stderr
+    assert out.returncode == 0 and "episode/hits last (step 2) - initial: " in out.stdout, out.stderr
     out = marsi("eval", write(tmp_path, raw, "alone.yaml"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[1].split()[:2] == ["initial", "8"]
