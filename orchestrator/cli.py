@@ -179,6 +179,12 @@ def cmd_validate(args) -> int:
         print(f"host {host}: {', '.join(agents)}; {r.num_cpus:g} CPUs, {r.num_gpus:g} GPUs{workers}{shared}")
     if not schedule.trainable:
         print("no agent trains (all are in schedule.frozen): the run plays episodes and logs their rewards only")
+    trains = {a for step in range(min(config.train.steps, 10_000)) for a in schedule.training_agents(step)}
+    frozen = [a for a in config.agents if a not in trains]
+    if frozen:
+        unused = [f"agents.{a}.optimizer" for a in frozen if "optimizer" in config.agents[a].model_fields_set]
+        print(f"frozen, never updated in this run: {', '.join(frozen)}" +
+              (f"; {', '.join(unused)} set but unused" if unused else ""))
     print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "
           "(* marks the roles that acted)")
     for step in range(min(args.steps, config.train.steps)):

@@ -60,6 +60,17 @@ def test_validate_says_when_no_agent_trains(tmp_path):
     assert out.returncode == 0 and "no agent trains" in out.stdout
 
 
+def test_validate_names_frozen_agents_and_their_unused_optimizer_settings(tmp_path):
+    raw = config(("a", "b", "c"), schedule={"frozen": ["b"], "kind": "pattern", "pattern": [["a"]]})
+    raw["agents"]["b"]["optimizer"] = {"lr": 0.5}
+    out = marsi("validate", write(tmp_path, raw))
+    assert out.returncode == 0, out.stderr
+    assert ("frozen, never updated in this run: b, c; agents.b.optimizer, agents.c.optimizer set but unused"
+            in out.stdout.splitlines())
+    out = marsi("validate", write(tmp_path, config()))
+    assert "never updated" not in out.stdout
+
+
 # ------------------------------------------------------------------------------------- paths and data
 def test_relative_and_home_model_paths_resolve_against_the_config_file(tmp_path, monkeypatch):
     from agent_trainer.models import resolve_model_path
