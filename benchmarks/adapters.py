@@ -40,8 +40,8 @@ def run_config(kind: str, count: int, rank: int, tokens: int):
     names = [f"agent{i}" for i in range(count)]
     agents = {}
     for name in names:
-        agent = {"model": MODEL, "generation": {"max_completion_length": tokens, "use_chat_template": False},
-                 "optimizer": {"lr": 1e-5}}
+        agent = {"model": MODEL, "dtype": "float32", "optimizer": {"lr": 1e-5},
+                 "generation": {"max_completion_length": tokens, "use_chat_template": False}}
         if kind == "adapter":
             agent.update(adapter={"rank": rank, "alpha": 2 * rank}, host="shared")
         agents[name] = agent

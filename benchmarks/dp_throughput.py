@@ -65,7 +65,7 @@ def main() -> None:
     print("$ python " + " ".join(sys.argv))
     print("before:", bc.load_line())
     names = {label: f"agent{i}" for i, label in enumerate(CONTENDERS)}
-    agents = {names[label]: {"model": args.model, "micro_batch_size": args.batch,
+    agents = {names[label]: {"model": args.model, "dtype": "float32", "micro_batch_size": args.batch,
                              "generation": {"max_completion_length": args.tokens, "use_chat_template": False},
                              "optimizer": {"lr": 1e-6}, "resources": {"num_cpus": cpus, "num_workers": workers}}
               for label, (workers, cpus) in CONTENDERS.items()}

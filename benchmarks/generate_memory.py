@@ -54,7 +54,7 @@ def measure(kind: str, model_dir: str, batch: int, tokens: int, device: str) -> 
     from protocols.messages import GenerateRequest
 
     torch.set_num_threads(2)
-    agent = AgentConfig(model=model_dir, generation={"max_completion_length": tokens})
+    agent = AgentConfig(model=model_dir, dtype="float32", generation={"max_completion_length": tokens})
     trainer = AgentTrainer("bench", agent, AlgorithmConfig(), device=device)
     prompts = [f"Write a short sentence about the number {i}." for i in range(batch)]
     before = _memory_mark(device)

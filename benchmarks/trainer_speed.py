@@ -29,7 +29,7 @@ def main() -> None:
     print(f"batch {args.batch} x {args.tokens} new tokens, {args.threads} torch threads, median of {args.repeats}")
     print(f"{'model':34s} {'generate s':>11s} {'update s':>9s} {'tokens':>7s} {'peak RSS GB':>11s}")
     for name in args.models.split(","):
-        agent = AgentConfig(model=name, micro_batch_size=args.batch,
+        agent = AgentConfig(model=name, dtype="float32", micro_batch_size=args.batch,
                             generation={"max_completion_length": args.tokens}, optimizer={"lr": 1e-6})
         trainer = AgentTrainer("bench", agent, AlgorithmConfig(), seed=0)
         prompts = [f"Write a short sentence about the number {i}." for i in range(args.batch)]
