@@ -103,6 +103,7 @@ def main() -> None:
         return
     print("$ python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]]))
     print(f"before: {bc.load_line()}")
+    print(bc.machine_line())
     started = time.perf_counter()
     results = []
     for count in [int(c) for c in args.counts.split(",")]:

@@ -129,6 +129,9 @@ def main() -> None:
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    import bench_common as bc  # this script's folder is first on sys.path
+
+    print(bc.machine_line())
     print(f"generate {args.batch} x {args.tokens} new tokens, vocabulary {args.vocab:,}, {args.device}")
     print(f"{'':20s} {'peak MB above load':>19s} {'new tokens':>11s} {'seconds':>8s}")
     for row in rows:
