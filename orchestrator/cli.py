@@ -139,7 +139,8 @@ def _train(coord, started: bool) -> int:
 
 def cmd_validate(args) -> int:
     """Everything that can be checked without Ray or the weights: config, environment roles and seats,
-    each model's context, resources; then the schedule and who acts on each turn for the first steps."""
+    each model's context, resources, each agent's dtype as this machine would resolve it; then the schedule
+    and who acts on each turn for the first steps."""
     from agent_trainer.group import local_resources, placement_problem
     from agent_trainer.models import context_problem, model_config
     from orchestrator.coordinator import Coordinator
