@@ -8,8 +8,9 @@ reads the driver's, which describes the trainers only where they run on the same
 The rule of `auto`: bfloat16 where the device computes it natively (a CUDA device of compute capability 8.0
 or later; a CPU with AVX-512 BF16 or AMX, flags `avx512_bf16` / `amx_bf16` in /proc/cpuinfo or torch's own
 CPU report), float16 with loss scaling on a CUDA device without it (V100, T4), float32 otherwise (CPUs
-without those flags, ARM CPUs included: torch's bf16 matmuls there run through conversions). `builtin:tiny`
-stays float32: a d=128 model gains nothing from bf16, and its recorded figures (the demo's) are float32.
+without those flags; ARM CPUs too, whose `bf16` feature is not counted: not measured here). `builtin:tiny`
+stays float32: a d=128 model gains nothing from bf16 (a generate + update took the same time in both on an
+AVX-512 BF16 CPU), and its recorded figures (the demo's) are float32.
 A trainable agent keeps float32 master weights whatever its compute dtype (`agent_trainer.trainer`).
 """
 
@@ -85,7 +86,7 @@ def capabilities(device: torch.device | str = "cpu") -> Capabilities:
 
 
 def describe(caps: Capabilities) -> str:
-    """`AMD EPYC (avx512_bf16 yes, amx_bf16 no)` or `GPU NVIDIA H100 (bf16 native)`: the parts that decide."""
+    """`CPU AMD EPYC (avx512_bf16 yes, amx_bf16 no)` or `GPU NVIDIA H100 (bf16 native)`: the parts that decide."""
     if caps.device == "cuda":
         return f"GPU {caps.gpu} (bf16 {'native' if caps.cuda_bf16 else 'emulated'})"
     flags = ", ".join(f"{f} {'yes' if f in caps.cpu_flags else 'no'}" for f in NATIVE_CPU_FLAGS)

@@ -126,6 +126,8 @@ class Coordinator:
         """The compute dtype each agent got and why, one line on stdout (stderr keeps errors to one line); an
         explicit bfloat16 that its device emulates gets one warning per machine on stderr, with the slowdown
         the trainer's probe measured there."""
+        if not self.precision:
+            return
         print("marsi: precision: " + "; ".join(f"{a} {p['dtype']} ({p['reason']})" for a, p in self.precision.items()),
               flush=True)
         emulated = defaultdict(list)
