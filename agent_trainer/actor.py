@@ -86,8 +86,9 @@ class _TrainerActor:
         return self.host.call(agent, method, kwargs)
 
     def info(self) -> dict[str, dict[str, Any]]:
-        """Per agent of this host: its process, node, device and engine, the seconds this actor took to start and
-        those its model took to load (the start error, if any, under "")."""
+        """Per agent of this host: its process, node, device, precision (`agent_trainer.precision.Precision` as a
+        dict) and engine, the seconds this actor took to start and those its model took to load (the start error,
+        if any, under "")."""
         common = {"pid": os.getpid(), "error": self.error, "start_s": self.start_s,
                   "node": ray.get_runtime_context().get_node_id(),
                   "node_label": self.node, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -95,7 +96,8 @@ class _TrainerActor:
         if self.host is None:
             return {"": {**common, "device": None, "engine": None}}
         return {name: {**common, "host": self.host.name, "device": str(t.device), "engine": t.engine.name,
-                       "load_s": t.load_seconds} for name, t in self.host.trainers.items()}
+                       "load_s": t.load_seconds, "precision": t.precision._asdict()}
+                for name, t in self.host.trainers.items()}
 
 
 def node_label(node_id: str) -> str:

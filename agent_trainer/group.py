@@ -158,7 +158,8 @@ class LocalTrainers:
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
         return {name: {"pid": os.getpid(), "device": str(t.device), "engine": t.engine.name,
-                       "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "load_s": t.load_seconds}
+                       "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "load_s": t.load_seconds,
+                       "precision": t.precision._asdict()}
                 for name, t in self.trainers.items()}
 
     def close(self) -> None:

@@ -2,9 +2,12 @@
 
 Choices a reviewer should know (they follow trl, verl and SPIRAL unless said otherwise):
 
-- Precision: a trainable agent keeps float32 master weights and AdamW state and computes in
-  `agent.dtype` under autocast (float16 adds dynamic loss scaling), so small updates are not rounded
-  away; a frozen agent stores its weights in `agent.dtype`, and so does the KL reference model.
+- Precision: `agent.dtype: auto` is resolved here, on the trainer's own device (`agent_trainer.precision`), and
+  `self.agent` holds the result, so the model, a shared base and the rollout engine all get it; `self.precision`
+  says which dtype and why. A trainable agent keeps float32 master weights and AdamW state and computes in
+  that dtype under autocast (float16 adds dynamic loss scaling: a step whose scaled gradient overflows is
+  skipped and the scale halved), so small updates are not rounded away; a frozen agent stores its weights
+  in it, and so does the KL reference model.
 - Dropout is off: the model stays in eval mode during updates too (trl disables dropout likewise), so
   the update trains the policy that sampled.
 - Log-probs, behaviour and trained, are those of the distribution sampled from: temperature (the one
@@ -56,7 +59,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from agent_trainer import adapters, attention, losses, rng, sampling, shared_prompts
+from agent_trainer import adapters, attention, losses, precision, rng, sampling, shared_prompts
 from agent_trainer.engines import left_pad, make_engine, model_logps
 from agent_trainer.models import (
     DTYPES, SOURCE_MARKER, context_problem, load_model, resolve_model_path, source_fingerprint,
@@ -82,9 +85,11 @@ class AgentTrainer:
                  total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True,
                  base: adapters.SharedBase | None = None):
         """`base`: the host's shared base model, for an adapter agent that shares one (None: its own)."""
+        self.device = torch.device(device) if device is not None else pick_device(agent.resources.num_gpus)
+        self.precision = precision.choose(agent.dtype, self.device, model=agent.model)  # `auto` resolved here
+        agent = agent.model_copy(update={"dtype": self.precision.dtype})  # what the model, base and engine get
         self.name, self.agent, self.algorithm, self.trainable = name, agent, algorithm, trainable
         self.total_updates = max(1, total_updates)
-        self.device = torch.device(device) if device is not None else pick_device(agent.resources.num_gpus)
         self.compute_dtype = DTYPES[agent.dtype]
         _seed_everything(seed)
         self.shared = None

@@ -40,8 +40,8 @@ def run_config(kind: str, count: int, rank: int, tokens: int):
     names = [f"agent{i}" for i in range(count)]
     agents = {}
     for name in names:
-        agent = {"model": MODEL, "generation": {"max_completion_length": tokens, "use_chat_template": False},
-                 "optimizer": {"lr": 1e-5}}
+        agent = {"model": MODEL, "dtype": "float32", "optimizer": {"lr": 1e-5},
+                 "generation": {"max_completion_length": tokens, "use_chat_template": False}}
         if kind == "adapter":
             agent.update(adapter={"rank": rank, "alpha": 2 * rank}, host="shared")
         agents[name] = agent
@@ -103,6 +103,7 @@ def main() -> None:
         return
     print("$ python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]]))
     print(f"before: {bc.load_line()}")
+    print(bc.machine_line())
     started = time.perf_counter()
     results = []
     for count in [int(c) for c in args.counts.split(",")]:

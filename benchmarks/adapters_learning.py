@@ -80,6 +80,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print("$ python " + " ".join([f"benchmarks/{Path(__file__).name}", *sys.argv[1:]]))
     print(f"before: {bc.load_line()}")
+    print(bc.machine_line())
     for task in args.tasks.split(","):
         contenders = demo_configs() if task == "demo" else smollm2_configs(args.smollm2_steps)
         for label, config in contenders.items():

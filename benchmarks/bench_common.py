@@ -142,6 +142,17 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def machine_line() -> str:
+    """`machine: CPU AMD EPYC (avx512_bf16 yes, amx_bf16 no), 2 CPUs; GPU NVIDIA H100 (bf16 native)`: what the
+    figures below were measured on, with what decides bf16's speed (`agent_trainer.precision`)."""
+    import torch
+
+    from agent_trainer.precision import capabilities, describe
+
+    gpu = f"; {describe(capabilities('cuda'))}" if torch.cuda.is_available() else "; no GPU"
+    return f"machine: {describe(capabilities('cpu'))}, {os.cpu_count()} CPUs{gpu}"
+
+
 def load_line() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} ({os.cpu_count()} CPUs)"

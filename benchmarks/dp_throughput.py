@@ -64,8 +64,9 @@ def main() -> None:
     args = parser.parse_args()
     print("$ python " + " ".join(sys.argv))
     print("before:", bc.load_line())
+    print(bc.machine_line())
     names = {label: f"agent{i}" for i, label in enumerate(CONTENDERS)}
-    agents = {names[label]: {"model": args.model, "micro_batch_size": args.batch,
+    agents = {names[label]: {"model": args.model, "dtype": "float32", "micro_batch_size": args.batch,
                              "generation": {"max_completion_length": args.tokens, "use_chat_template": False},
                              "optimizer": {"lr": 1e-6}, "resources": {"num_cpus": cpus, "num_workers": workers}}
               for label, (workers, cpus) in CONTENDERS.items()}

@@ -151,7 +151,7 @@ def main() -> None:
     parser.add_argument("--skip-steps", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    print(f"before: {bc.load_line()}", flush=True)
+    print(f"before: {bc.load_line()}\n{bc.machine_line()}", flush=True)
     if not args.skip_generate:
         generate_times(args)
     if not args.skip_steps:

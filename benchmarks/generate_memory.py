@@ -54,7 +54,7 @@ def measure(kind: str, model_dir: str, batch: int, tokens: int, device: str) -> 
     from protocols.messages import GenerateRequest
 
     torch.set_num_threads(2)
-    agent = AgentConfig(model=model_dir, generation={"max_completion_length": tokens})
+    agent = AgentConfig(model=model_dir, dtype="float32", generation={"max_completion_length": tokens})
     trainer = AgentTrainer("bench", agent, AlgorithmConfig(), device=device)
     prompts = [f"Write a short sentence about the number {i}." for i in range(batch)]
     before = _memory_mark(device)
@@ -129,6 +129,9 @@ def main() -> None:
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    import bench_common as bc  # this script's folder is first on sys.path
+
+    print(bc.machine_line())
     print(f"generate {args.batch} x {args.tokens} new tokens, vocabulary {args.vocab:,}, {args.device}")
     print(f"{'':20s} {'peak MB above load':>19s} {'new tokens':>11s} {'seconds':>8s}")
     for row in rows:

@@ -33,6 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+import bench_common as bc  # noqa: E402  (this script's folder is first on sys.path)
+
 from agent_trainer.trainer import AgentTrainer  # noqa: E402
 from protocols.config import AgentConfig, AlgorithmConfig  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
@@ -185,7 +187,7 @@ def main() -> None:
         import vllm
     except ImportError as exc:
         sys.exit(f"gpu_check: vLLM is not installed ({exc}); pip install -e '.[vllm-gpu]'")
-    print(f"torch {torch.__version__}, vllm {vllm.__version__}, {device_name()}", flush=True)
+    print(f"torch {torch.__version__}, vllm {vllm.__version__}; {bc.machine_line()}", flush=True)
     ok = check_sync(args)
     ok &= check_sleep_and_gap(args)
     generate_times(args)

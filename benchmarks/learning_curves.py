@@ -51,6 +51,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     print(f"$ python {' '.join(sys.argv)}\nbefore: {bc.load_line()}", flush=True)
+    print(bc.machine_line())
     curves: dict[str, list[list[float]]] = {s: [] for s in settings}
     start = time.perf_counter()
     for seed in range(args.seeds):

@@ -58,6 +58,7 @@ def main() -> None:
     print(f"marsi overhead: {args.agents} agent(s) on {args.model}, {args.batch} samples x {args.group} episodes per "
           f"step, {args.tokens} new tokens, 1 torch thread per trainer, {blocks} blocks of {args.block} steps")
     print(f"before: {bc.load_line()}")
+    print(bc.machine_line())
 
     start = time.perf_counter()
     with ExitStack() as stack:

@@ -47,6 +47,7 @@ def main() -> None:
     config = bc.marsi_config(num_agents=1, model=args.model, tokens=args.tokens, ray=False,
                              micro_batch_size=args.batch, lr=1e-5, dtype=args.dtype)
     trainer = AgentTrainer("a0", config.agents["a0"], config.algorithm, seed=0)
+    print(bc.machine_line())
     print(f"{args.model}: {args.batch} prompts ({args.prompt_tokens}-token instruction; {args.group} per distinct prompt) "
           f"x {args.tokens} new tokens, "
           f"{args.dtype}, {args.threads} torch thread(s), "

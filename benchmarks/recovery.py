@@ -17,6 +17,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import bench_common as bc  # noqa: E402  (this script's folder is first on sys.path)
 from orchestrator.coordinator import Coordinator  # noqa: E402
 from protocols.config import load_config  # noqa: E402
 
@@ -31,6 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     overrides = [f"train.steps={args.steps}", f"train.checkpoint_every={args.checkpoint_every}", "train.progress=false"]
     config = load_config(DEMO, overrides)
+    print(bc.machine_line())
 
     with Coordinator(config, tempfile.mkdtemp(prefix="marsi-recovery-")) as coord:
         victim, killed = coord.trainers.info()["alice"]["pid"], {}

@@ -83,6 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"$ python {' '.join(sys.argv)}\nbefore: {bc.load_line()}", flush=True)
+    print(bc.machine_line())
     model, _ = load_model(args.model)
     model.eval()
     V = model.config.vocab_size

@@ -53,6 +53,7 @@ def main() -> None:
           f"{[b * args.group for b in batches]}, {args.tokens} new tokens, one torch thread per actor; "
           f"{args.repeats} repeats of {args.block}-step blocks")
     print(f"before: {bc.load_line()}")
+    print(bc.machine_line())
 
     import ray
 

@@ -64,6 +64,7 @@ def main() -> None:
     import bench_common as bc
 
     print(f"$ {' '.join([Path(sys.executable).name, *sys.argv])}\nbefore: {bc.load_line()}")
+    print(bc.machine_line())
     runs = {}
     for setting in ("kept", "returned"):
         argv = [sys.executable, __file__, "--child", setting, *sys.argv[1:]]

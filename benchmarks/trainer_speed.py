@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+import bench_common as bc  # noqa: E402  (this script's folder is first on sys.path)
 from agent_trainer.trainer import AgentTrainer  # noqa: E402
 from protocols.config import AgentConfig, AlgorithmConfig  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
@@ -26,10 +27,11 @@ def main() -> None:
     parser.add_argument("--models", default="builtin:tiny,builtin:smollm2-135m-instruct")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    print(bc.machine_line())
     print(f"batch {args.batch} x {args.tokens} new tokens, {args.threads} torch threads, median of {args.repeats}")
     print(f"{'model':34s} {'generate s':>11s} {'update s':>9s} {'tokens':>7s} {'peak RSS GB':>11s}")
     for name in args.models.split(","):
-        agent = AgentConfig(model=name, micro_batch_size=args.batch,
+        agent = AgentConfig(model=name, dtype="float32", micro_batch_size=args.batch,
                             generation={"max_completion_length": args.tokens}, optimizer={"lr": 1e-6})
         trainer = AgentTrainer("bench", agent, AlgorithmConfig(), seed=0)
         prompts = [f"Write a short sentence about the number {i}." for i in range(args.batch)]

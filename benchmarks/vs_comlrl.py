@@ -65,6 +65,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"marsi vs CoMLRL, 2 agents, one turn; before: {bc.load_line()}")
+    print(bc.machine_line())
     rows = []
     for model in args.models.split(","):
         settings = {**PRESETS.get(model, DEFAULT),

@@ -69,6 +69,7 @@ def main() -> None:
 
     command = " ".join([Path(sys.executable).name, *sys.argv])
     print(f"$ {command}\nbefore: {bc.load_line()}", flush=True)
+    print(bc.machine_line())
     contenders = [args.only] if args.only else ["marsi", "comlrl"]
     runs: dict[str, list[dict]] = {c: [] for c in contenders}
     for r in range(args.repeats):

@@ -139,7 +139,8 @@ def _train(coord, started: bool) -> int:
 
 def cmd_validate(args) -> int:
     """Everything that can be checked without Ray or the weights: config, environment roles and seats,
-    each model's context, resources; then the schedule and who acts on each turn for the first steps."""
+    each model's context, resources, each agent's dtype as this machine would resolve it; then the schedule
+    and who acts on each turn for the first steps."""
     from agent_trainer.group import local_resources, placement_problem
     from agent_trainer.models import context_problem, model_config
     from orchestrator.coordinator import Coordinator
@@ -177,6 +178,7 @@ def cmd_validate(args) -> int:
         shared = f", one copy of {config.agents[names[0]].model}" if len(names) > 1 else ""
         workers = f" per worker x {r.num_workers} workers" if r.num_workers > 1 else ""
         print(f"host {host}: {', '.join(agents)}; {r.num_cpus:g} CPUs, {r.num_gpus:g} GPUs{workers}{shared}")
+    _print_precision(config, joins)
     if not schedule.trainable:
         print("no agent trains (all are in schedule.frozen): the run plays episodes and logs their rewards only")
     trains = {a for step in range(min(config.train.steps, 10_000)) for a in schedule.training_agents(step)}
@@ -195,6 +197,29 @@ def cmd_validate(args) -> int:
                 for t in range(env.max_turns))
             print(f"  episode {episode + 1}: {turns}")
     return 0
+
+
+def _print_precision(config, joins: str | None) -> None:
+    """Each agent's compute dtype and why, resolved as its trainer would on this machine. Trainers resolve on
+    their own device when the run starts: the same unless they run on another node or a GPU this machine lacks."""
+    import torch
+
+    from agent_trainer.precision import capabilities, describe, native_bf16, resolve
+
+    here = {kind: capabilities(kind) for kind in ("cpu", "cuda") if kind == "cpu" or torch.cuda.is_available()}
+    cells = []
+    for name, agent in config.agents.items():
+        caps = here.get("cuda" if agent.resources.num_gpus > 0 else "cpu")
+        if caps is None:
+            cells.append(f"{name}: {agent.dtype} (decided on the trainer's GPU at start; this machine has none)")
+            continue
+        dtype, reason = resolve(agent.dtype, caps, model=agent.model)
+        if dtype == "bfloat16" and native_bf16(caps) is None:
+            reason += "; emulated here, often several times slower than float32: auto or float32 fits"
+        cells.append(f"{name}: {dtype} ({reason})")
+    elsewhere = "; trainers on other nodes decide on theirs at start" if joins else ""
+    print(f"precision on this machine, {' and '.join(describe(c) for c in here.values())}{elsewhere}: "
+          + "; ".join(cells))
 
 
 def _acting_roles(coordinator, env) -> dict[int, set[str]]:

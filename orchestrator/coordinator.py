@@ -20,6 +20,7 @@ from typing import Any
 
 from agent_trainer import storage
 from agent_trainer.group import TrainerFailure
+from agent_trainer.precision import emulation_warning
 from agent_trainer.storage import Location, StorageError
 from orchestrator import rollout
 from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines
@@ -82,6 +83,7 @@ class Coordinator:
         self.stop_requested = False
         self._owns_ray = False
         self.startup: dict[str, float] = {}  # seconds: Ray, the trainers, the slowest model load, all of start()
+        self.precision: dict[str, dict[str, Any]] = {}  # per agent: dtype, reason, machine, slowdown (precision.Precision)
         self._seconds = defaultdict(float)
         self._warned: set[tuple[str, str]] = set()
 
@@ -117,9 +119,26 @@ class Coordinator:
         loads = [w.get("load_s", 0.0) for i in info.values() for w in i.get("workers", [i])]
         self.startup = {"ray_s": ray_up - began, "trainers_s": trainers_up - ray_up,
                         "model_load_s": max(loads, default=0.0), "total_s": time.perf_counter() - began}
+        self.precision = {a: i["precision"] for a, i in info.items() if "precision" in i}
+        self._say_precision()
         if self.log is not None and not self.resuming:
             self.log.write_config(self.config)
             self.log.snapshot_sources([self.config.environment.name, self.config.data.factory])
+
+    def _say_precision(self) -> None:
+        """The compute dtype each agent got and why, one line on stdout (stderr keeps errors to one line); an
+        explicit bfloat16 that its device emulates gets one warning per machine on stderr, with the slowdown
+        the trainer's probe measured there."""
+        if not self.precision:
+            return
+        print("marsi: precision: " + "; ".join(f"{a} {p['dtype']} ({p['reason']})" for a, p in self.precision.items()),
+              flush=True)
+        emulated = defaultdict(list)
+        for agent, p in self.precision.items():
+            if p["slowdown"] is not None:
+                emulated[p["machine"]].append((agent, p["slowdown"]))
+        for machine, agents in emulated.items():
+            say(emulation_warning([f"agents.{a}.dtype" for a, _ in agents], machine, max(s for _, s in agents)))
 
     def _start_trainers(self):
         config = self.config

@@ -99,8 +99,9 @@ class VLLMConfig(_Strict):
     """GPU only: the engine frees its GPU memory (KV cache and weights) during each update and wakes with the
     new weights, so engine and learner share one GPU. Needs resources.num_gpus > 0."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """The engine's weight dtype; None: the agent's `dtype`. bfloat16 halves the engine's memory on a GPU; the
-    update's importance weights (`tis_cap`) correct for the larger log-prob gap it brings."""
+    """The engine's weight dtype; None: the agent's `dtype`, as the agent's trainer resolved it (`auto` follows the
+    same rule for the engine as for the learner). bfloat16 halves the engine's memory on a GPU; the update's
+    importance weights (`tis_cap`) correct for the larger log-prob gap it brings."""
 
 
 class RolloutConfig(_Strict):
@@ -164,9 +165,15 @@ class AgentConfig(_Strict):
     """`builtin:tiny`, `builtin:smollm2-135m-instruct`, a local path, or a hub id."""
     tokenizer: str | None = None
     """Tokenizer path or hub id; None: the model's."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype. A trainable agent keeps float32 master weights and optimizer state and computes in this
-    dtype under autocast (float16 with loss scaling); a frozen agent stores its weights in it."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype. `auto`, decided where the trainer runs, on its device: bfloat16 where the device computes it
+    natively (a CUDA GPU of compute capability 8.0 or later; a CPU with AVX-512 BF16 or AMX), float16 with loss
+    scaling on an older GPU, float32 otherwise; `builtin:tiny` stays float32 (bf16 gains nothing at its size, and
+    the demo's recorded figures are float32). The run prints which dtype each agent got and why. An explicit
+    bfloat16 on a device that only emulates it (often several times slower than float32) gets a warning at
+    start with the slowdown measured there. A trainable agent keeps float32 master weights and optimizer state
+    and computes in this dtype under autocast (float16 with loss scaling); a frozen agent stores its weights in
+    it."""
     micro_batch_size: int = Field(16, ge=1)
     """Sequences per forward/backward in an update; gradients accumulate over micro-batches."""
     generation: GenerationConfig = GenerationConfig()

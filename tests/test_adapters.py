@@ -186,7 +186,7 @@ def _edit(change):
      "agents.b.adapter: agents on host 'h' (a, b, c) share one base model, so each needs an adapter; give "
      "agents.b.adapter, or a host of its own (remove agents.b.host)"),
     (lambda r: r["agents"]["c"].update(dtype="bfloat16"),
-     "agents.c.dtype: 'bfloat16' differs from agents.a.dtype 'float32', and both live on host 'h', which holds one "
+     "agents.c.dtype: 'bfloat16' differs from agents.a.dtype 'auto', and both live on host 'h', which holds one "
      "base model; make them equal or put 'c' on another host"),
     (lambda r: r["agents"]["a"].update(host="nowhere"),
      "agents.a.host: host 'nowhere' is not defined; defined hosts: h; add hosts.nowhere: {resources: ...}"),

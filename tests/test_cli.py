@@ -51,6 +51,7 @@ def test_run_writes_a_complete_run_directory_and_resume_continues_it(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "Token authentication" not in out.stderr and "WARNING" not in out.stderr, out.stderr  # Ray's start-up noise
     assert "reward/mean: first" in out.stdout
+    assert "marsi: precision: a float32 (auto: builtin:tiny stays float32); b float32" in out.stdout  # from the actors
     run = tmp_path / "run"
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
@@ -86,8 +87,11 @@ def test_validate_prints_schedule_and_roles(tmp_path):
     raw = config(schedule={"kind": "alternate"}, roles={"r0": "a", "r1": "b"})
     raw["roles"]["rotation"] = "per_episode"
     raw["train"]["num_generations"] = 4  # two episodes per seating in each sample's group
+    raw["agents"]["b"]["dtype"] = "float16"
     out = marsi("validate", write(tmp_path, raw), "--steps", "2")
     assert out.returncode == 0, out.stderr
+    assert ("a: float32 (auto: builtin:tiny stays float32); b: float16 (as configured)" in out.stdout
+            and "precision on this machine, CPU " in out.stdout), out.stdout
     assert "step 1: trains a" in out.stdout and "step 2: trains b" in out.stdout
     assert "episode 1: turn 1: r0=a* r1=b*" in out.stdout and "episode 2: turn 1: r0=b* r1=a*" in out.stdout
 

@@ -15,7 +15,7 @@ from protocols.messages import Experience, GenerateRequest, UpdateRequest
 
 @pytest.fixture(scope="module")
 def trainer():
-    agent = AgentConfig(model="builtin:smollm2-135m-instruct", micro_batch_size=4,
+    agent = AgentConfig(model="builtin:smollm2-135m-instruct", dtype="float32", micro_batch_size=4,
                         generation={"max_completion_length": 24, "temperature": 0.2}, optimizer={"lr": 1e-5})
     return AgentTrainer("smol", agent, AlgorithmConfig(), seed=0)
 
