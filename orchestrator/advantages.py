@@ -48,16 +48,7 @@ def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
                          baselines: Baselines) -> dict[str, list[Experience]]:
     """Every action as an Experience with its advantage, grouped by agent. `baselines` is updated in
     place when `algorithm.baseline == "ema"`."""
-    actions, returns, keys, seats = [], [], [], []
-    group_key = GROUP_KEYS[algorithm.group_by]
-    for episode in episodes:
-        per_role = {r: discounted_returns(episode.role_rewards(r), algorithm.discount) for r in episode.env.possible_agents}
-        for t, turn in enumerate(episode.turns):
-            for action in turn.actions:
-                actions.append(action)
-                returns.append(per_role[action.role][t])
-                keys.append((episode.sample_index, *group_key(action.agent, action.role, t)))
-                seats.append((action.agent, action.role, str(t + 1)))
+    actions, returns, keys, seats = scored_actions(episodes, algorithm)
     if not actions:
         return {}
     if algorithm.baseline == "group":
@@ -74,6 +65,36 @@ def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
     for action, advantage in zip(actions, advantages):
         out.setdefault(action.agent, []).append(Experience.from_completion(action.completion, advantage))
     return out
+
+
+def scored_actions(episodes: list[Episode], algorithm: AlgorithmConfig) -> tuple[list, list[float], list, list]:
+    """Every action of `episodes`, its return, its group (sample, then `algorithm.group_by`'s key) and its seat
+    (agent, role, turn counted from 1)."""
+    actions, returns, keys, seats = [], [], [], []
+    group_key = GROUP_KEYS[algorithm.group_by]
+    for episode in episodes:
+        per_role = {r: discounted_returns(episode.role_rewards(r), algorithm.discount) for r in episode.env.possible_agents}
+        for t, turn in enumerate(episode.turns):
+            for action in turn.actions:
+                actions.append(action)
+                returns.append(per_role[action.role][t])
+                keys.append((episode.sample_index, *group_key(action.agent, action.role, t)))
+                seats.append((action.agent, action.role, str(t + 1)))
+    return actions, returns, keys, seats
+
+
+def zero_variance_shares(episodes: list[Episode], algorithm: AlgorithmConfig) -> dict[str, float]:
+    """Per agent: the share of its groups whose returns are all equal (every episode of a sample won, or every one
+    lost). Under group baselines they carry no gradient: a rising share while the reward stays flat is a stall."""
+    actions, returns, keys, _ = scored_actions(episodes, algorithm)
+    groups: dict[Hashable, tuple[str, set[float]]] = {}
+    for action, value, key in zip(actions, returns, keys):
+        groups.setdefault(key, (action.agent, set()))[1].add(value)
+    flat, total = defaultdict(int), defaultdict(int)
+    for agent, values in groups.values():
+        total[agent] += 1
+        flat[agent] += len(values) == 1
+    return {agent: flat[agent] / total[agent] for agent in sorted(total)}
 
 
 def saved_baselines(saved: dict, max_turns: int) -> Baselines:

@@ -23,7 +23,7 @@ from agent_trainer.group import TrainerFailure
 from agent_trainer.precision import emulation_warning
 from agent_trainer.storage import Location, StorageError
 from orchestrator import rollout
-from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines
+from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines, zero_variance_shares
 from orchestrator.data import DataPosition, load_samples, next_batch
 from orchestrator.evaluation import Evaluation, partner_agents
 from orchestrator.runlog import (
@@ -457,6 +457,8 @@ class Coordinator:
                 # log
                 metrics = step_metrics(self.state.step, episodes, results, self._seconds, time.perf_counter() - start)
                 metrics["data/epoch"] = self.state.data.epoch + self.state.data.index / len(self.samples)
+                for agent, share in zero_variance_shares(episodes, self.config.algorithm).items():
+                    metrics[f"groups/zero_variance/{agent}"] = share
                 for agent in sorted(set(scheduled) - set(training)):
                     metrics[f"no_experiences/{agent}"] = 1
                     self.warn_once(agent, "idle", f"agent {agent!r} is scheduled to train but got no experiences at "

@@ -154,6 +154,18 @@ def test_ema_baselines_saved_per_role_are_read_per_turn():
     assert saved_baselines({"a": {"X": 0.5, "O": {"1": 0.2}}}, 2) == {"a": {"X": {"1": 0.5, "2": 0.5}, "O": {"1": 0.2}}}
 
 
+def test_zero_variance_share_counts_each_agents_groups_whose_returns_are_all_equal():
+    from orchestrator.advantages import zero_variance_shares
+
+    episodes = []
+    for sample, rewards in enumerate([(1.0, 1.0), (1.0, 0.0), (0.0, 0.0), (0.5, 0.0)]):
+        for reward in rewards:
+            episode = _Ep({"X": "a", "O": "b"}, {"X": reward, "O": 0.0}).episode
+            episode.sample_index = sample
+            episodes.append(episode)
+    assert zero_variance_shares(episodes, AlgorithmConfig()) == {"a": 0.5, "b": 1.0}  # b's returns never differ
+
+
 # ------------------------------------------------------------------------------ 3: fp32 master weights
 def test_bfloat16_agents_keep_fp32_master_weights_so_small_updates_are_not_rounded_away():
     changed = {}
