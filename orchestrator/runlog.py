@@ -90,6 +90,7 @@ class RunLog:
         if not resume and holds_run(self.dir):
             raise RunDirError(f"{self.dir}: already holds a run; continue it with: marsi resume {self.dir} "
                               "(or give a new --run-dir)")
+        missing_extra(self.logging)
         self.dir.mkdir(parents=True, exist_ok=True)
         lock = open(self.dir / ".lock", "a+")
         try:
@@ -104,13 +105,13 @@ class RunLog:
         lock.write(f"marsi pid {os.getpid()}")
         lock.flush()
         self._lock = lock
-        if self.storage is not None:
-            try:
+        try:
+            if self.storage is not None:
                 self._claim_storage(resume)
-            except BaseException:
-                self.release()
-                raise
-        self.sinks = _sinks(self.logging, self.dir)
+            self.sinks = _sinks(self.logging, self.dir)
+        except BaseException:
+            self.release()
+            raise
 
     def _claim_storage(self, resume: bool) -> None:
         """A new run's place in train.storage must hold no other run's checkpoints; it is made now, so an
@@ -480,13 +481,29 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [row for _, row in _jsonl_lines(path)]
 
 
+class MissingExtra(UserError, ImportError):
+    """The config asks for a logger whose package is not installed."""
+
+
+def missing_extra(logging: LoggingConfig) -> None:
+    """Raise MissingExtra, naming the key and the install command, when a logger the config asks for is not
+    installed; checked before the run directory is made."""
+    import importlib.util
+
+    wanted = [("logging.tensorboard", "tensorboard", "TensorBoard", "set logging.tensorboard: false")] if logging.tensorboard else []
+    if logging.wandb_project:
+        wanted.append(("logging.wandb_project", "wandb", "Weights & Biases", "remove logging.wandb_project"))
+    for key, package, name, instead in wanted:
+        if importlib.util.find_spec(package) is None:
+            raise MissingExtra(f"{key} needs {name}, which is not installed; install it with: pip install {package} "
+                               f"(or {instead})")
+
+
 def _sinks(logging: LoggingConfig, run_dir: Path) -> list:
     sinks = []
     if logging.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise RuntimeError("logging.tensorboard needs TensorBoard: pip install 'marsi[tensorboard]'") from None
+        from torch.utils.tensorboard import SummaryWriter
+
         writer = SummaryWriter(str(run_dir / "tensorboard"))
 
         def tensorboard(m):
@@ -497,10 +514,8 @@ def _sinks(logging: LoggingConfig, run_dir: Path) -> list:
 
         sinks.append(tensorboard)
     if logging.wandb_project:
-        try:
-            import wandb
-        except ImportError:
-            raise RuntimeError("logging.wandb_project needs wandb: pip install 'marsi[wandb]'") from None
+        import wandb
+
         wandb_run = wandb.init(project=logging.wandb_project, dir=str(run_dir))
         sinks.append(lambda m: wandb_run.log({k: v for k, v in m.items() if isinstance(v, (int, float))},
                                              step=m["step"]))
