@@ -67,9 +67,9 @@ def init_ray(config: RayConfig) -> bool:
 
 @contextlib.contextmanager
 def _own_signal_handling():
-    """Keep this process's SIGINT and SIGTERM handlers through `ray.init`, whose driver puts in its own for
-    SIGTERM (`sys.exit(15)`, then a C++ handler that prints a stack dump): they are put back after it, and a
-    SIGTERM that Ray's handler took meanwhile goes to this process's handler."""
+    """Keep this process's own SIGINT and SIGTERM handlers (Python functions, such as `marsi run`'s) through
+    `ray.init`, whose driver puts in its own for SIGTERM (`sys.exit(15)`, then a C++ handler that prints a stack
+    dump): they are put back after it, and a SIGTERM that Ray's handler took meanwhile goes to this process's."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -82,7 +82,7 @@ def _own_signal_handling():
         raise
     finally:
         for s, handler in handlers.items():
-            if handler is not None:
+            if callable(handler):
                 signal.signal(s, handler)
 
 

@@ -321,9 +321,9 @@ def _check_metric(metric: str, evaluation) -> None:
     have = ", ".join(["reward/mean", *(f"episode/{k}" for k in sorted(info))])
     if not metric.startswith("episode/"):
         raise ConfigError(f"--metric {metric}: give reward/mean or episode/KEY; this environment reports {have}")
-    if metric.removeprefix("episode/") not in info:
-        raise ConfigError(f"--metric {metric}: the environment's episode_info has no {metric.removeprefix('episode/')!r};"
-                          f" give one of {have}")
+    key = metric.removeprefix("episode/")
+    if key not in info:
+        raise ConfigError(f"--metric {metric}: the environment's episode_info has no {key!r}; give one of {have}")
 
 
 def _checkpoint_names(which: str, log) -> list[str]:

@@ -53,16 +53,18 @@ class RunDirError(UserError, RuntimeError):
 
 def make_run_dir(template: str, name: str) -> Path:
     """A new directory from `template` ({name}, {time}); `-2`, `-3`, ... is appended if it exists, so two
-    runs started in the same second never share one."""
+    runs started in the same second never share one (and the run says where it went)."""
     base = template.format(name=name, time=time.strftime("%Y%m%d-%H%M%S"))
     for n in range(1, 10_000):
         path = Path(base if n == 1 else f"{base}-{n}")
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             path.mkdir()
-            return path
         except FileExistsError:
             continue
+        if n > 1:
+            print(f"marsi: {base} exists; this run writes to {path}", file=sys.stderr, flush=True)
+        return path
     raise RunDirError(f"{base}: 10,000 run directories of this name exist; set train.run_dir or --run-dir")
 
 
@@ -490,7 +492,9 @@ def missing_extra(logging: LoggingConfig) -> None:
     installed; checked before the run directory is made."""
     import importlib.util
 
-    wanted = [("logging.tensorboard", "tensorboard", "TensorBoard", "set logging.tensorboard: false")] if logging.tensorboard else []
+    wanted = []
+    if logging.tensorboard:
+        wanted.append(("logging.tensorboard", "tensorboard", "TensorBoard", "set logging.tensorboard: false"))
     if logging.wandb_project:
         wanted.append(("logging.wandb_project", "wandb", "Weights & Biases", "remove logging.wandb_project"))
     for key, package, name, instead in wanted:

@@ -109,8 +109,9 @@ CASES = {
     "environment_role_unseated": (run(setter("environment.kwargs", {"roles": ["r0", "r1", "r2"]})),
                                   "roles.assignment: the environment's role 'r2' has no seat"),
     "nan_reward": (run(broken_env("nan")), "reward nan is not finite"),
-    "env_constructor_raises": (run(faulty_env("constructor")), "envs.py:FaultyEnv: constructing it with environment.kwargs "
-                               "raised TypeError: FaultyEnv() got an unexpected keyword argument 'levels' at tests/envs.py:120"),
+    "env_constructor_raises": (run(faulty_env("constructor")), "envs.py:FaultyEnv: constructing it with "
+                               "environment.kwargs raised TypeError: FaultyEnv() got an unexpected keyword argument "
+                               "'levels' at tests/envs.py:120"),
     "env_max_turns_none": (run(faulty_env("max_turns_none")), "FaultyEnv: max_turns must be a positive int"),
     "env_reset_returns_none": (run(faulty_env("reset_none")), "FaultyEnv.reset: prompts must be a dict"),
     "env_step_returns_none": (run(faulty_env("step_none")), "FaultyEnv.step: must return a StepResult, got NoneType"),

@@ -57,6 +57,20 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path):
     assert len(made) == len(set(made)) == 8 and all(p.is_dir() for p in made)
 
 
+def test_a_run_dir_from_the_template_is_reused_after_a_failed_start_and_a_suffix_is_announced(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    raw = config(train={"steps": 1, "run_dir": str(tmp_path / "runs" / "{name}")})
+    cfg = write(tmp_path, {**raw, "eval": {"data": raw["data"]}})  # evaluation data that is training data: refused
+    assert main(["run", str(cfg)]) == 2
+    assert list((tmp_path / "runs").iterdir()) == []
+    cfg = write(tmp_path, raw)
+    assert main(["run", str(cfg)]) == 0 and main(["run", str(cfg)]) == 0
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["run", "run-2"]
+    assert f"marsi: {tmp_path / 'runs' / 'run'} exists; this run writes to {tmp_path / 'runs' / 'run-2'}" in \
+        capsys.readouterr().err
+
+
 def test_a_new_run_refuses_a_directory_that_holds_a_run(finished, tmp_path):
     run_dir = copy_run(finished, tmp_path)
     before = snapshot(run_dir)
