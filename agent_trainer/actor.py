@@ -7,9 +7,12 @@ answers into the agent's one answer, so callers see one agent."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -51,14 +54,36 @@ def init_ray(config: RayConfig) -> bool:
         return False
     quiet_ray_startup()
     address = config.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level="WARNING")
-        print(f"marsi: joined the Ray cluster at {address}", file=sys.stderr)
-    else:
-        context = ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False,
-                           logging_level="WARNING")
-        reaper.watch(context.address_info["session_dir"])  # ends the cluster if this process is killed
+    with _own_signal_handling():
+        if address:
+            ray.init(address=address, logging_level="WARNING")
+            print(f"marsi: joined the Ray cluster at {address}", file=sys.stderr)
+        else:
+            context = ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False,
+                               logging_level="WARNING")
+            reaper.watch(context.address_info["session_dir"])  # ends the cluster if this process is killed
     return True
+
+
+@contextlib.contextmanager
+def _own_signal_handling():
+    """Keep this process's own SIGINT and SIGTERM handlers (Python functions, such as `marsi run`'s) through
+    `ray.init`, whose driver puts in its own for SIGTERM (`sys.exit(15)`, then a C++ handler that prints a stack
+    dump): they are put back after it, and a SIGTERM that Ray's handler took meanwhile goes to this process's."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code == signal.SIGTERM and callable(handlers[signal.SIGTERM]):
+            handlers[signal.SIGTERM](signal.SIGTERM, None)
+        raise
+    finally:
+        for s, handler in handlers.items():
+            if callable(handler):
+                signal.signal(s, handler)
 
 
 class _TrainerActor:
@@ -223,6 +248,7 @@ class RayTrainers:
             try:
                 answers[name][rank] = ray.get(done[0])
             except ray.exceptions.RayActorError as exc:
+                self._collect([ref for ref in pending if refs[ref][0] == name])
                 shared = [a for a in self.housemates[name] if a != name]
                 whose = f" (the host it shares with {', '.join(shared)})" if shared else ""
                 raise self._failure(name, rank, method_label, f"its process{whose} died ({one_line(exc)[:200]})",
@@ -241,6 +267,17 @@ class RayTrainers:
 
         size = len(self.workers[agent])
         return TrainerFailure(agent, method, f"worker {rank} of {size}: {reason}" if size > 1 else reason, recoverable)
+
+    @staticmethod
+    def _collect(peers: list) -> None:
+        """Take the answers of a dead worker's peers (their collectives fail with it), waiting a few seconds,
+        so that Ray does not print their tracebacks as unhandled errors; what they say is the same death."""
+        ready, _ = ray.wait(peers, num_returns=len(peers), timeout=_PEER_GRACE_S) if peers else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError):
+                pass
 
     @staticmethod
     def _dead_peer(peers: list, refs: dict) -> int | None:

@@ -13,6 +13,7 @@ loaded through the same `from_pretrained` path as any other model:
 from __future__ import annotations
 
 import copy
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -115,21 +116,25 @@ def architecture_mismatch(name: str, saved: str | Path) -> str | None:
 
 
 def _materialise(key: str, build) -> Path:
-    """Build into a temporary directory and rename it into place, so concurrent builders never clash."""
+    """Build into a temporary directory and rename it into place, holding a lock on the cache so that processes
+    starting at once (trainers of one run) build once: the others wait, then load what it built. Under the lock
+    no other build runs, so temporary directories left by a builder that was killed are removed first."""
     target = cache_dir() / "builtin" / key
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
-    try:
-        build(tmp)
+    with open(target.parent / f".{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
+        if (target / "config.json").exists():
+            return target
+        for stale in target.parent.glob(f".{key}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
         try:
+            build(tmp)
             tmp.rename(target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

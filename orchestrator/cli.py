@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -11,12 +12,20 @@ import time
 from pathlib import Path
 
 from protocols.config import RunConfig, load_config
-from protocols.errors import UserError, one_line
+from protocols.errors import UserError, describe, one_line
+
+
+class Parser(argparse.ArgumentParser):
+    """Usage errors in one line, as every other error: `marsi: error: marsi eval: ...; see marsi eval --help`."""
+
+    def error(self, message: str):
+        print(f"marsi: error: {self.prog}: {one_line(message)}; see {self.prog} --help", file=sys.stderr)
+        sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `marsi` argument parser; `--debug` is accepted before or after the subcommand."""
-    parser = argparse.ArgumentParser(prog="marsi", description="Train several LLM agents together with RL.")
+    parser = Parser(prog="marsi", description="Train several LLM agents together with RL.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     common = argparse.ArgumentParser(add_help=False)  # default SUPPRESS: absent here keeps the value given before
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -66,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return COMMANDS[args.command](args)
-    except KeyboardInterrupt:
-        print("marsi: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        print(f"marsi: {exc}" if isinstance(exc, Interrupted) else "marsi: interrupted", file=sys.stderr)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     except Exception as exc:
         if args.debug:
             raise
@@ -81,8 +90,16 @@ def cmd_run(args) -> int:
     from orchestrator.runlog import make_run_dir
 
     config = load_config(args.config, args.overrides)
-    run_dir = Path(args.run_dir) if args.run_dir else make_run_dir(config.train.run_dir, Path(args.config).stem)
-    return _train(Coordinator(config, run_dir), started=False)
+    with StopOnSignal("nothing was trained and no run directory is left") as stop:
+        run_dir = Path(args.run_dir) if args.run_dir else make_run_dir(config.train.run_dir, Path(args.config).stem)
+        try:
+            coord = Coordinator(config, run_dir)
+        except BaseException:
+            if not args.run_dir:
+                with contextlib.suppress(OSError):
+                    run_dir.rmdir()  # made just now for this run, which did not start
+            raise
+        return _train(coord, stop, new=True)
 
 
 def cmd_resume(args) -> int:
@@ -96,44 +113,76 @@ def cmd_resume(args) -> int:
         print(f"marsi: {args.run_dir} has done all its {config.train.steps} steps; to go on, give more: "
               f"marsi resume {args.run_dir} train.steps=N", file=sys.stderr)
         return 0
-    coord = Coordinator.resume(args.run_dir, args.overrides)
-    print(f"marsi: resuming {args.run_dir} at step {coord.state.step}", file=sys.stderr)
-    return _train(coord, started=True)
+    with StopOnSignal(f"the run is as it was; continue with: marsi resume {args.run_dir}") as stop:
+        coord = Coordinator.resume(args.run_dir, args.overrides)
+        print(f"marsi: resuming {args.run_dir} at step {coord.state.step}", file=sys.stderr)
+        return _train(coord, stop, new=False)
 
 
-def _train(coord, started: bool) -> int:
-    start, signals = time.perf_counter(), []
+class Interrupted(KeyboardInterrupt):
+    """A signal that stopped `marsi run` or `resume` while it started, before there was anything to save."""
 
-    def on_signal(signum, frame):
-        if signals and signum == signal.SIGINT:
+    def __init__(self, signum: int, outcome: str):
+        super().__init__(f"{signal.Signals(signum).name}: stopped while starting; {outcome}")
+        self.signum = signum
+
+
+class StopOnSignal:
+    """marsi's handling of SIGINT and SIGTERM for a run, in place before Ray starts (whose driver would
+    otherwise take SIGTERM itself: an exit without a word, or a stack dump). While the run starts, a signal
+    stops it at once (`Interrupted`, saying `outcome`); once `coord` is set, it asks the coordinator to stop
+    after the current step with a checkpoint, and a second Ctrl-C aborts."""
+
+    def __init__(self, outcome: str):
+        self.outcome, self.coord, self.signals, self.stopped_by = outcome, None, [], None
+
+    def __enter__(self) -> StopOnSignal:
+        self.previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        if self.stopped_by is not None and isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
+            raise Interrupted(self.stopped_by, self.outcome) from None  # Ray's waits raise a plain one in its place
+
+    def on_signal(self, signum, frame) -> None:
+        if self.coord is None:
+            self.stopped_by = signum
+            raise Interrupted(signum, self.outcome)
+        if self.signals and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        signals.append(signum)
-        coord.request_stop()
+        self.signals.append(signum)
+        self.coord.request_stop()
         print(f"marsi: {signal.Signals(signum).name}: stopping after this step with a checkpoint"
               " (Ctrl-C again aborts)", file=sys.stderr, flush=True)
 
-    if not started:
-        coord.start()  # before the handlers: starting Ray installs its own SIGTERM handler
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+def _train(coord, stop: StopOnSignal, new: bool) -> int:
+    """Start a new run's coordinator, then train; a new run that fails before its first step leaves no directory."""
+    began = time.perf_counter()
+    if new:
+        coord.start()  # a start that fails leaves no directory (Coordinator.start)
     try:
+        first = coord.state.step
+        stop.coord = coord
         coord.run()
     except BaseException:
-        if not started:
-            coord.log.discard_unstarted()  # a run that failed before its first step leaves no directory
+        if new:
+            coord.log.discard_unstarted()
         raise
     finally:
         coord.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     rows = [r for r in coord.log.metrics() if "reward/mean" in r]  # training rows (evaluation rows aside)
-    if signals:
+    if stop.signals:
         print(f"marsi: stopped at step {coord.state.step}; continue with: marsi resume {coord.log.dir}", file=sys.stderr)
-        return 128 + signals[0]
+        return 128 + stop.signals[0]
     k = max(1, len(rows) // 10)
-    first = sum(r["reward/mean"] for r in rows[:k]) / k
-    last = sum(r["reward/mean"] for r in rows[-k:]) / k
-    print(f"reward/mean: first {k} step(s) {first:.3f} -> last {k} step(s) {last:.3f}; "
-          f"{len(rows)} steps, {time.perf_counter() - start:.0f} s here; run dir {coord.log.dir}")
+    first_reward = sum(r["reward/mean"] for r in rows[:k]) / k
+    last_reward = sum(r["reward/mean"] for r in rows[-k:]) / k
+    this_time = f" ({coord.state.step - first} this time)" if first else ""
+    print(f"reward/mean: first {k} step(s) {first_reward:.3f} -> last {k} step(s) {last_reward:.3f}; "
+          f"{len(rows)} steps{this_time}, {time.perf_counter() - began:.0f} s here; run dir {coord.log.dir}")
     return 0
 
 
@@ -223,16 +272,22 @@ def _print_precision(config, joins: str | None) -> None:
 
 
 def _acting_roles(coordinator, env) -> dict[int, set[str]]:
-    """Roles that act on each turn of one episode of the first sample, played with the environment module's
-    `sample_action(role, prompt, rng)` when it has one, else empty answers."""
-    import random
-
+    """Roles that act on each turn of a trial episode on the first sample (`_trial_episode`)."""
     from orchestrator.rollout import derive_seed
+
+    acting, _ = _trial_episode(env, coordinator.samples[0], derive_seed(coordinator.config.train.seed, 0))
+    return acting
+
+
+def _trial_episode(env, sample, seed: int) -> tuple[dict[int, set[str]], dict]:
+    """One episode of `env` on `sample`, played with the environment module's `sample_action(role, prompt, rng)`
+    when it has one, else empty answers: the roles that act on each turn, and its episode_info."""
+    import random
 
     module = sys.modules.get(type(env).__module__)
     act = getattr(module, "sample_action", None) or (lambda role, prompt, rng: "")
     rng, acting = random.Random(0), {}
-    prompts = env.reset(dict(coordinator.samples[0]), seed=derive_seed(coordinator.config.train.seed, 0))
+    prompts = env.reset(dict(sample), seed=seed)
     for turn in range(env.max_turns):
         if not prompts:
             break
@@ -241,7 +296,7 @@ def _acting_roles(coordinator, env) -> dict[int, set[str]]:
         if result.terminated or result.truncated:
             break
         prompts = result.prompts
-    return acting
+    return acting, env.episode_info()
 
 
 def cmd_eval(args) -> int:
@@ -260,8 +315,11 @@ def cmd_eval(args) -> int:
     names = args.compare or _checkpoint_names(args.checkpoint or ("last" if is_run else "initial"), log)
     if not is_run and set(names) != {"initial"}:
         raise ConfigError(f"{args.target}: a config has only initial models to evaluate; give a run directory for checkpoints")
+    coord = Coordinator(config)
+    if args.compare:
+        _check_metric(args.metric, coord.evaluation)
     results, labels = {}, {}
-    with Coordinator(config) as coord:
+    with coord:
         for name in sorted(names, key=lambda n: n != "initial"):  # initial first: the trainers start there
             step = 0
             if name != "initial":
@@ -286,6 +344,23 @@ def cmd_eval(args) -> int:
               f"{c['samples']} samples; {a} {c['before']:.4f}, {b} {c['after']:.4f}; {c['episodes']} paired episodes, "
               f"temperature {config.eval.temperature:g}): {verdict}")
     return 0
+
+
+def _check_metric(metric: str, evaluation) -> None:
+    """Refuse, before any evaluation runs, a --metric that is neither reward/mean nor episode/KEY for a KEY that
+    the environment's episode_info reports (seen in a trial episode on the first evaluation sample)."""
+    from orchestrator.rollout import make_environment
+    from protocols.config import ConfigError
+
+    if metric == "reward/mean":
+        return
+    _, info = _trial_episode(make_environment(evaluation.make_env), evaluation.samples[0], evaluation.seed)
+    have = ", ".join(["reward/mean", *(f"episode/{k}" for k in sorted(info))])
+    if not metric.startswith("episode/"):
+        raise ConfigError(f"--metric {metric}: give reward/mean or episode/KEY; this environment reports {have}")
+    key = metric.removeprefix("episode/")
+    if key not in info:
+        raise ConfigError(f"--metric {metric}: the environment's episode_info has no {key!r}; give one of {have}")
 
 
 def _checkpoint_names(which: str, log) -> list[str]:
@@ -344,40 +419,62 @@ def cmd_plot(args) -> int:
 def cmd_export(args) -> int:
     """Write an agent's weights at a checkpoint as a plain HF model: an adapter agent's adapter merged into its
     base (float32), a full-model agent's weights as saved, a frozen agent's source."""
+    import shutil
     import tempfile
 
-    from orchestrator.runlog import RunLog, checkpoint_problem, read_checkpoint_state
+    from orchestrator.runlog import RunLog, checkpoint_problem
     from protocols.config import ConfigError
 
     run_dir, out = Path(args.run_dir), Path(args.out)
     config = load_config(run_dir / "config.yaml", check_imports=False)
     if args.agent not in config.agents:
         raise ConfigError(f"--agent {args.agent}: no such agent in {run_dir}; agents: {', '.join(config.agents)}")
-    if out.exists() and any(out.iterdir()):
+    if out.is_dir() and any(out.iterdir()):
         raise ConfigError(f"--out {out}: not empty; give a new or empty directory")
-    checkpoint = _checkpoint_path(args.checkpoint, RunLog(run_dir))
-    problem = checkpoint_problem(checkpoint)
-    if problem:
-        raise FileNotFoundError(f"checkpoint {checkpoint} is damaged ({problem}); export another with --checkpoint step-N")
+    made = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot create or write this directory ({exc.strerror or describe(exc)}); "
+                          "give one where you can write, e.g. --out ./exported") from None
+    try:
+        checkpoint = _checkpoint_path(args.checkpoint, RunLog(run_dir))
+        problem = checkpoint_problem(checkpoint)
+        if problem:
+            raise FileNotFoundError(f"checkpoint {checkpoint} is damaged ({problem}); export another with "
+                                    "--checkpoint step-N")
+        _export(config.agents[args.agent], checkpoint, args.agent, out)
+    except BaseException:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)  # made for this export, which did not finish
+        raise
+    print(f"marsi: wrote agent {args.agent!r} at {checkpoint.name} to {out} "
+          f"({'adapter merged into ' + config.agents[args.agent].model if config.agents[args.agent].adapter else 'full model'})")
+    return 0
+
+
+def _export(agent, checkpoint, name: str, out: Path) -> None:
+    """Write agent `name`'s model of `checkpoint` (fetched from storage first when it lies there) to `out`."""
+    import tempfile
+
+    from orchestrator.runlog import read_checkpoint_state
+
     with tempfile.TemporaryDirectory(prefix="marsi-export-") as tmp:
-        source = checkpoint / "agents" / args.agent
+        source = checkpoint / "agents" / name
         if not isinstance(source, Path):  # in train.storage: fetch this agent's files, checked against the manifest
             from agent_trainer import storage
 
-            prefix = f"agents/{args.agent}/"
+            prefix = f"agents/{name}/"
             files = {n[len(prefix):]: d for n, d in read_checkpoint_state(checkpoint)["manifest"].items()
                      if n.startswith(prefix)}
             problem = storage.download(source, files, Path(tmp))
             if problem:
                 raise FileNotFoundError(f"checkpoint {checkpoint}: {prefix}{problem}")
             source = Path(tmp)
-        model, tokenizer = _exported_model(config.agents[args.agent], source)
-        out.mkdir(parents=True, exist_ok=True)
+        model, tokenizer = _exported_model(agent, source)
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
-    print(f"marsi: wrote agent {args.agent!r} at {checkpoint.name} to {out} "
-          f"({'adapter merged into ' + config.agents[args.agent].model if config.agents[args.agent].adapter else 'full model'})")
-    return 0
 
 
 def _exported_model(agent, source: Path):

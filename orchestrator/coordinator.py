@@ -111,8 +111,10 @@ class Coordinator:
             ray_up = time.perf_counter()
             self.trainers = self._start_trainers()
             trainers_up = time.perf_counter()
-            self._check_storage_reach()
+            self._with_recovery(self._check_storage_reach)
         except BaseException:
+            if self.log is not None and not self.resuming:
+                self.log.discard_unstarted()  # a new run that failed to start leaves no directory
             self.close()
             raise
         info = getattr(self.trainers, "start_info", None) or self.trainers.info()
@@ -208,10 +210,11 @@ class Coordinator:
         coord = cls(config, run_dir, resume=True)  # its RunLog finds checkpoints where config.yaml says
         coord.start()
         try:
-            try:
-                coord.restore()
-            except TrainerFailure as failure:
-                coord.recover(failure)
+            if coord.restored_from is None:  # else a restart while starting restored it already
+                try:
+                    coord.restore()
+                except TrainerFailure as failure:
+                    coord.recover(failure)
             coord.log.write_config(config)
         except BaseException:
             coord.close()
@@ -373,7 +376,8 @@ class Coordinator:
             fresh = last is None and self.log is not None and self.state == CoordinatorState()
             if self.restarts > limit or (last is None and not fresh):
                 why = f"after {limit} restarts" if self.restarts > limit else "and there is no checkpoint to restart from"
-                raise RunFailed(f"{failure}; stopping {why}; last good checkpoint: {last}") from failure
+                hint = f"; once the cause is fixed, continue with: marsi resume {self.log.dir}" if last else ""
+                raise RunFailed(f"{failure}; stopping {why}; last good checkpoint: {last}{hint}") from failure
             say(f"{failure}; restarting the trainers from {last.name if last else 'their initial weights'} "
                 f"(restart {self.restarts} of {limit})")
             try:
@@ -511,8 +515,10 @@ def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
         raise ResumeError(f"train.steps={config.train.steps} is below the {done} steps {log.dir} has done; "
                           f"give train.steps >= {done}")
     if config.train.storage != stored.train.storage:
-        raise ResumeError(f"train.storage={config.train.storage!r}: a resumed run keeps its checkpoint storage "
-                          f"({stored.train.storage!r}); copy the checkpoints and start a new run to move them")
+        given = f"train.storage={config.train.storage!r}" if config.train.storage else "train.storage unset"
+        kept = repr(stored.train.storage) if stored.train.storage else f"the run directory, {log.dir / 'checkpoints'}"
+        raise ResumeError(f"{given}: a resumed run keeps its checkpoint storage ({kept}); copy the checkpoints and "
+                          "start a new run to move them")
     from agent_trainer.models import architecture_mismatch
 
     checkpoint = log.latest_checkpoint()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import sys
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from protocols.env import Environment, StepResult, as_reward, env_problem, episode_info_problem, prompts_problem
@@ -104,7 +108,7 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
             seats = assignment(episode.index, turn)
             for role, prompt in episode.prompts.items():
                 if role not in seats:
-                    raise EnvironmentFault(f"episode {episode.index} turn {turn}: role {role!r} has no agent in "
+                    raise EnvironmentFault(f"{_where(episode, turn)}: role {role!r} has no agent in "
                                            f"roles.assignment ({', '.join(seats)}); seat every role the environment uses")
                 wanted.setdefault(seats[role], []).append((episode, role, prompt))
         scripted = wanted.pop(SCRIPTED, [])
@@ -130,7 +134,7 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
             episode.prompts = result.prompts
             episode.terminated, episode.truncated = result.terminated, result.truncated
             if not episode.done and not result.prompts:
-                raise EnvironmentFault(f"episode {episode.index} turn {turn}: step returned no prompts but did not "
+                raise EnvironmentFault(f"{_where(episode, turn)}: step returned no prompts but did not "
                                         "end the episode; set terminated or truncated")
             if not episode.done and turn + 1 >= episode.env.max_turns:
                 episode.truncated, episode.prompts = True, {}
@@ -169,12 +173,19 @@ def make_environment(make_env: Callable[[], Environment]) -> Environment:
     except UserError:
         raise
     except Exception as exc:
+        line = user_line(exc)
         raise EnvironmentFault(f"{name}: constructing it with environment.kwargs raised {type(exc).__name__}: "
-                               f"{' '.join(str(exc).split())}; fix environment.kwargs or the constructor") from exc
+                               f"{' '.join(str(exc).split())}{f' at {line}' if line else ''}; fix environment.kwargs "
+                               "or the constructor (--debug shows the traceback)") from exc
     problem = env_problem(env)
     if problem:
         raise EnvironmentFault(f"{type(env).__name__}: {problem}; fix the environment (check it with check_env)")
     return env
+
+
+def _where(episode: Episode, turn: int) -> str:
+    """How messages name a turn of an episode: both counted from 1, as `marsi validate` prints them."""
+    return f"episode {episode.index + 1} turn {turn + 1}"
 
 
 def _guard(episode: Episode, turn: int, what: str, fn: Callable[[], Any]) -> Any:
@@ -183,12 +194,39 @@ def _guard(episode: Episode, turn: int, what: str, fn: Callable[[], Any]) -> Any
     except UserError:  # already one line naming its cause (e.g. a sandbox that cannot contain model code)
         raise
     except Exception as exc:
-        raise EnvironmentFault(f"episode {episode.index} turn {turn}: {type(episode.env).__name__}.{what} raised "
-                                f"{type(exc).__name__}: {' '.join(str(exc).split())}; fix the environment "
-                                "(check it with check_env)") from exc
+        line = user_line(exc)
+        raise EnvironmentFault(f"{_where(episode, turn)}: {type(episode.env).__name__}.{what} raised "
+                                f"{type(exc).__name__}: {' '.join(str(exc).split())}{f' at {line}' if line else ''}; "
+                                "fix the environment (check it with check_env; --debug shows the traceback)") from exc
 
 
 def _check(episode: Episode, turn: int, what: str, problem: str | None) -> None:
     if problem:
-        raise EnvironmentFault(f"episode {episode.index} turn {turn}: {type(episode.env).__name__}.{what}: {problem}; "
+        raise EnvironmentFault(f"{_where(episode, turn)}: {type(episode.env).__name__}.{what}: {problem}; "
                                 "fix the environment (check it with check_env)")
+
+
+_NOT_USER_CODE = [str(Path(__file__).resolve().parents[1] / package) for package in ("protocols", "orchestrator",
+                                                                                     "agent_trainer")]
+
+
+def user_line(exc: BaseException) -> str | None:
+    """`file:line` of the innermost frame of `exc`'s traceback in the user's code (not marsi's, the standard
+    library's or an installed package's), relative to the working directory when inside it; None if none is."""
+    found = None
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        path = Path(frame.f_code.co_filename)
+        if path.is_file() and not _installed(path.resolve()):
+            found = (path, line)
+    if found is None:
+        return None
+    path, line = found
+    with contextlib.suppress(ValueError):
+        path = path.resolve().relative_to(Path.cwd())
+    return f"{path}:{line}"
+
+
+def _installed(path: Path) -> bool:
+    if any(part in ("site-packages", "dist-packages") for part in path.parts):
+        return True
+    return any(path.is_relative_to(root) for root in (*_NOT_USER_CODE, sys.base_prefix, sys.prefix))

@@ -53,16 +53,18 @@ class RunDirError(UserError, RuntimeError):
 
 def make_run_dir(template: str, name: str) -> Path:
     """A new directory from `template` ({name}, {time}); `-2`, `-3`, ... is appended if it exists, so two
-    runs started in the same second never share one."""
+    runs started in the same second never share one (and the run says where it went)."""
     base = template.format(name=name, time=time.strftime("%Y%m%d-%H%M%S"))
     for n in range(1, 10_000):
         path = Path(base if n == 1 else f"{base}-{n}")
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             path.mkdir()
-            return path
         except FileExistsError:
             continue
+        if n > 1:
+            print(f"marsi: {base} exists; this run writes to {path}", file=sys.stderr, flush=True)
+        return path
     raise RunDirError(f"{base}: 10,000 run directories of this name exist; set train.run_dir or --run-dir")
 
 
@@ -90,6 +92,7 @@ class RunLog:
         if not resume and holds_run(self.dir):
             raise RunDirError(f"{self.dir}: already holds a run; continue it with: marsi resume {self.dir} "
                               "(or give a new --run-dir)")
+        missing_extra(self.logging)
         self.dir.mkdir(parents=True, exist_ok=True)
         lock = open(self.dir / ".lock", "a+")
         try:
@@ -104,13 +107,13 @@ class RunLog:
         lock.write(f"marsi pid {os.getpid()}")
         lock.flush()
         self._lock = lock
-        if self.storage is not None:
-            try:
+        try:
+            if self.storage is not None:
                 self._claim_storage(resume)
-            except BaseException:
-                self.release()
-                raise
-        self.sinks = _sinks(self.logging, self.dir)
+            self.sinks = _sinks(self.logging, self.dir)
+        except BaseException:
+            self.release()
+            raise
 
     def _claim_storage(self, resume: bool) -> None:
         """A new run's place in train.storage must hold no other run's checkpoints; it is made now, so an
@@ -480,13 +483,31 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [row for _, row in _jsonl_lines(path)]
 
 
+class MissingExtra(UserError, ImportError):
+    """The config asks for a logger whose package is not installed."""
+
+
+def missing_extra(logging: LoggingConfig) -> None:
+    """Raise MissingExtra, naming the key and the install command, when a logger the config asks for is not
+    installed; checked before the run directory is made."""
+    import importlib.util
+
+    wanted = []
+    if logging.tensorboard:
+        wanted.append(("logging.tensorboard", "tensorboard", "TensorBoard", "set logging.tensorboard: false"))
+    if logging.wandb_project:
+        wanted.append(("logging.wandb_project", "wandb", "Weights & Biases", "remove logging.wandb_project"))
+    for key, package, name, instead in wanted:
+        if importlib.util.find_spec(package) is None:
+            raise MissingExtra(f"{key} needs {name}, which is not installed; install it with: pip install {package} "
+                               f"(or {instead})")
+
+
 def _sinks(logging: LoggingConfig, run_dir: Path) -> list:
     sinks = []
     if logging.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise RuntimeError("logging.tensorboard needs TensorBoard: pip install 'marsi[tensorboard]'") from None
+        from torch.utils.tensorboard import SummaryWriter
+
         writer = SummaryWriter(str(run_dir / "tensorboard"))
 
         def tensorboard(m):
@@ -497,10 +518,8 @@ def _sinks(logging: LoggingConfig, run_dir: Path) -> list:
 
         sinks.append(tensorboard)
     if logging.wandb_project:
-        try:
-            import wandb
-        except ImportError:
-            raise RuntimeError("logging.wandb_project needs wandb: pip install 'marsi[wandb]'") from None
+        import wandb
+
         wandb_run = wandb.init(project=logging.wandb_project, dir=str(run_dir))
         sinks.append(lambda m: wandb_run.log({k: v for k, v in m.items() if isinstance(v, (int, float))},
                                              step=m["step"]))

@@ -300,9 +300,20 @@ def _layers() -> _Layers:
                 continue
             if result.ok and result.stdout == sys.version + "\n":
                 return replace(layers, missing=_missing(layers, root=root, unshare=unshare, failures=failures))
-            failures.append((layers, result.reason or "another Python answered"))
+            failures.append((layers, result.reason or _other_python(result.stdout, layers)))
     raise RuntimeError("sandbox: cannot run Python in any configuration:\n" +
                        "\n".join(f"{layers}: {reason}" for layers, reason in failures))
+
+
+def _other_python(stdout: str, layers: _Layers) -> str:
+    """Why a probe that ran answered with another version than this interpreter's. As a leased uid: that uid
+    cannot read part of this Python (e.g. a pyenv Python under /root, whose libpython is then the system's)."""
+    here = sys.version.split()[0]
+    said = (f"{_PYTHON} ran as Python {stdout.split()[0]}, not {here} as here" if stdout.split() else
+            f"{_PYTHON} printed no version (here it is {here})")
+    if layers.drop_uid:
+        return f"as a leased uid, {said}: that uid cannot read all of this Python's files, e.g. its libpython"
+    return said
 
 
 def _missing(layers: _Layers, *, root: bool, unshare: str | None,

@@ -50,22 +50,22 @@ def play_episode(env: Environment, sample: dict[str, Any], seed: int, action_fn:
         try:
             result = env.step(actions)
         except Exception as exc:  # the interface forbids raising on model text
-            raise EnvCheckError(f"{where} turn {turn}: step raised {type(exc).__name__}: {exc} on actions {actions!r}; "
+            raise EnvCheckError(f"{where} turn {turn + 1}: step raised {type(exc).__name__}: {exc} on actions {actions!r}; "
                                 "report invalid actions in infos instead") from exc
         if not isinstance(result, StepResult):
-            raise EnvCheckError(f"{where} turn {turn}: step must return a StepResult, got {type(result).__name__}")
-        _check_reward(env, result, f"{where} turn {turn}")
-        _check_prompts(env, result.prompts, f"{where} turn {turn}")
+            raise EnvCheckError(f"{where} turn {turn + 1}: step must return a StepResult, got {type(result).__name__}")
+        _check_reward(env, result, f"{where} turn {turn + 1}")
+        _check_prompts(env, result.prompts, f"{where} turn {turn + 1}")
         for role, info in result.infos.items():
             if info.get("invalid") and not info.get("reason"):
-                raise EnvCheckError(f"{where} turn {turn}: infos[{role!r}] marks an invalid action without a 'reason'")
+                raise EnvCheckError(f"{where} turn {turn + 1}: infos[{role!r}] marks an invalid action without a 'reason'")
         turns.append((prompts, result))
         if result.terminated or result.truncated:
             if result.prompts:
-                raise EnvCheckError(f"{where} turn {turn}: an ended episode must return no prompts")
+                raise EnvCheckError(f"{where} turn {turn + 1}: an ended episode must return no prompts")
             return turns
         if not result.prompts:
-            raise EnvCheckError(f"{where} turn {turn}: no prompts but neither terminated nor truncated")
+            raise EnvCheckError(f"{where} turn {turn + 1}: no prompts but neither terminated nor truncated")
         prompts = result.prompts
     raise EnvCheckError(f"{where}: episode ran past max_turns={env.max_turns} without ending")
 
@@ -90,7 +90,7 @@ def check_env(env: Environment, samples: list[dict[str, Any]], action_fn: Action
     for name, fn in fns:
         for i in range(episodes):
             sample = samples[i % len(samples)]
-            where = f"{name} actions, episode {i}"
+            where = f"{name} actions, episode {i + 1}"
             first = play_episode(env, sample, seed + i, fn, random.Random(i), where)
             problem = episode_info_problem(env.episode_info())
             if problem:

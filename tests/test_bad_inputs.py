@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 import yaml
@@ -98,14 +99,19 @@ CASES = {
                                     "agents.a.rollout.vllm: vLLM settings are given but agents.a.rollout.engine is 'hf'"),
     "sleep_mode_without_gpu": (run(setter("agents.b.rollout", {"engine": "vllm", "vllm": {"sleep_mode": True}})),
                                "agents.b.rollout.vllm.sleep_mode: true frees GPU memory during updates"),
-    "env_raises_in_reset": (run(broken_env("reset")), "episode 0 turn 0: BrokenEnv.reset raised KeyError"),
-    "env_raises_in_step": (run(broken_env("step")), "BrokenEnv.step raised ZeroDivisionError"),
+    "env_raises_in_reset": (run(broken_env("reset")), "episode 1 turn 1: BrokenEnv.reset raised KeyError: 'target' "
+                                                      "at tests/envs.py:95;"),
+    "env_raises_in_step": (run(broken_env("step")), "episode 1 turn 1: BrokenEnv.step raised ZeroDivisionError: "
+                                                    "division by zero at tests/envs.py:101; fix the environment "
+                                                    "(check it with check_env; --debug shows the traceback)"),
     "role_not_in_environment": (run(setter("environment.kwargs", {"roles": ["r0", "r9"]})),
                                 "roles.assignment: role 'r1' is not one of the environment's roles (r0, r9)"),
     "environment_role_unseated": (run(setter("environment.kwargs", {"roles": ["r0", "r1", "r2"]})),
                                   "roles.assignment: the environment's role 'r2' has no seat"),
     "nan_reward": (run(broken_env("nan")), "reward nan is not finite"),
-    "env_constructor_raises": (run(faulty_env("constructor")), "envs.py:FaultyEnv: constructing it with environment.kwargs raised TypeError"),
+    "env_constructor_raises": (run(faulty_env("constructor")), "envs.py:FaultyEnv: constructing it with "
+                               "environment.kwargs raised TypeError: FaultyEnv() got an unexpected keyword argument "
+                               "'levels' at tests/envs.py:120"),
     "env_max_turns_none": (run(faulty_env("max_turns_none")), "FaultyEnv: max_turns must be a positive int"),
     "env_reset_returns_none": (run(faulty_env("reset_none")), "FaultyEnv.reset: prompts must be a dict"),
     "env_step_returns_none": (run(faulty_env("step_none")), "FaultyEnv.step: must return a StepResult, got NoneType"),
@@ -123,38 +129,87 @@ CASES = {
                                   "no complete checkpoint to resume from"),
     "resume_missing_dir": (lambda tmp_path: ["resume", str(tmp_path / "nope")], "cannot read config"),
     "plot_without_metrics": (lambda tmp_path: ["plot", str(tmp_path)], "no metrics.jsonl rows to plot"),
+    "tensorboard_missing": (run(setter("logging.tensorboard", True)), "logging.tensorboard needs TensorBoard, which is "
+                            "not installed; install it with: pip install tensorboard", ("tensorboard",)),
+    "wandb_missing": (run(setter("logging.wandb_project", "p")), "logging.wandb_project needs Weights & Biases, which "
+                      "is not installed; install it with: pip install wandb", ("wandb",)),
+    "eval_overlaps_training": (lambda tmp_path: ["run", str(cfg(tmp_path, _evaluating_training_data(tmp_path)))],
+                               "eval.data: 8 of its 8 samples are training samples too"),
+    "compare_one_checkpoint": (lambda tmp_path: ["eval", str(tmp_path), "--compare", "initial"],
+                               "marsi eval: argument --compare: expected 2 arguments; see marsi eval --help"),
+    "compare_unknown_metric": (lambda tmp_path: ["eval", str(_run_dir_without_checkpoint(tmp_path, evaluating=True)),
+                                                 "--compare", "initial", "last", "--metric", "episode/nope"],
+                               "--metric episode/nope: the environment's episode_info has no 'nope'; give one of "
+                               "reward/mean, episode/hits, episode/success"),
+    "export_out_unwritable": (lambda tmp_path: ["export", str(_run_dir_without_checkpoint(tmp_path)), "--agent", "a",
+                                                "--out", "/proc/x"],
+                              "--out /proc/x: cannot create or write this directory (No such file or directory); "
+                              "give one where you can write"),
+    "resume_with_other_storage": (lambda tmp_path: ["resume", str(_finished_run(tmp_path)),
+                                                    f"train.storage=file://{tmp_path}/store"],
+                                  "a resumed run keeps its checkpoint storage (the run directory, "),
 }
 
 
-def _run_dir_without_checkpoint(tmp_path):
+def _evaluating_training_data(tmp_path):
+    """A config whose run directory comes from train.run_dir and whose evaluation set is its training set."""
+    def edit(raw):
+        raw["train"]["run_dir"] = str(tmp_path / "runs" / "{name}")
+        raw["eval"] = {"data": raw["data"]}
+    return edit
+
+
+def _run_dir_without_checkpoint(tmp_path, evaluating=False):
     run_dir = tmp_path / "bare"
     run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config()))
+    raw = config()
+    if evaluating:
+        raw["eval"] = {"data": {"factory": f"{ENVS}:held_out"}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(raw))
     return run_dir
 
 
+def _finished_run(tmp_path):
+    assert main(["run", str(cfg(tmp_path)), "--run-dir", str(tmp_path / "done")]) == 0
+    return tmp_path / "done"
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_gets_one_clear_line(case, tmp_path, capsys):
-    make_argv, expected = CASES[case]
-    code = main(make_argv(tmp_path))
+def test_bad_input_gets_one_clear_line(case, tmp_path, capsys, monkeypatch):
+    make_argv, expected, *missing = CASES[case]
+    for module in missing[0] if missing else ():
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    argv = make_argv(tmp_path)
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse
+        code = exc.code
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("marsi: error: "), err
     assert expected in err and "Traceback" not in err
+    assert err.strip().replace(str(tmp_path), "<tmp>").replace(str(HERE.parent), "<repo>") == documented()[case]
+    if argv[0] == "run":  # a run that failed to start leaves no directory
+        assert not (tmp_path / "out").exists() and not any((tmp_path / "runs").glob("*")), case
 
 
 def test_an_environment_failure_leaves_the_last_checkpoint_intact(tmp_path, capsys):
     argv = run(broken_env("step", after=4), "train.checkpoint_every=1")(tmp_path)  # 4 episodes per step
     assert main(argv) == 2
-    assert "episode 4 turn 0: BrokenEnv.step raised ZeroDivisionError" in capsys.readouterr().err
+    assert "episode 5 turn 1: BrokenEnv.step raised ZeroDivisionError" in capsys.readouterr().err
     last = RunLog(tmp_path / "out").latest_checkpoint()
     assert last.name == "step-000001" and checkpoint_problem(last) is None
     assert [json.loads(line)["step"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
+def documented() -> dict[str, str]:
+    """The message docs/errors.md gives for each case of its bad-input table."""
+    return dict(re.findall(r"^\| `([a-z0-9_]+)` \| 2 \| (.*) \|$", DOC.read_text(), flags=re.M))
+
+
 def test_the_docs_table_lists_every_case():
-    documented = set(re.findall(r"^\| `([a-z0-9_]+)` \|", DOC.read_text(), flags=re.M))
-    assert documented == set(CASES)
+    assert set(documented()) == set(CASES)
 
 
 def test_numpy_rewards_are_accepted(tmp_path, capsys):

@@ -81,6 +81,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path):
     out = marsi("resume", tmp_path / "cut", "train.steps=3")
     assert out.returncode == 0, out.stderr
     assert without_times(metrics(tmp_path / "cut")) == without_times(metrics(tmp_path / "whole"))
+    assert "; 3 steps (2 this time), " in out.stdout, out.stdout  # all the run's steps, and the resumed part's
 
 
 def test_validate_prints_schedule_and_roles(tmp_path):

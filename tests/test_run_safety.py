@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -54,6 +55,20 @@ def test_runs_started_in_the_same_second_get_their_own_directories(tmp_path):
     for t in threads:
         t.join()
     assert len(made) == len(set(made)) == 8 and all(p.is_dir() for p in made)
+
+
+def test_a_run_dir_from_the_template_is_reused_after_a_failed_start_and_a_suffix_is_announced(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    raw = config(train={"steps": 1, "run_dir": str(tmp_path / "runs" / "{name}")})
+    cfg = write(tmp_path, {**raw, "eval": {"data": raw["data"]}})  # evaluation data that is training data: refused
+    assert main(["run", str(cfg)]) == 2
+    assert list((tmp_path / "runs").iterdir()) == []
+    cfg = write(tmp_path, raw)
+    assert main(["run", str(cfg)]) == 0 and main(["run", str(cfg)]) == 0
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["run", "run-2"]
+    assert f"marsi: {tmp_path / 'runs' / 'run'} exists; this run writes to {tmp_path / 'runs' / 'run-2'}" in \
+        capsys.readouterr().err
 
 
 def test_a_new_run_refuses_a_directory_that_holds_a_run(finished, tmp_path):
@@ -201,6 +216,31 @@ def test_sigterm_with_ray_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert RunLog(run_dir).latest_checkpoint().name == f"step-{stopped:06d}"
 
 
+def test_sigterm_while_the_trainers_start_is_marsis_to_handle(tmp_path):
+    import psutil
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*MARSI, "run", str(write(tmp_path, config(ray=True))), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    me = psutil.Process(proc.pid)
+
+    def trainers_starting():
+        with contextlib.suppress(psutil.Error):
+            return any("_TrainerActor" in " ".join(p.cmdline()) for p in me.children(recursive=True))
+        return False
+
+    while not trainers_starting():  # Ray is up and its actors are starting the trainers
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "SIGTERM received" not in err and "PC: @" not in err, err  # Ray's own handler's stack dump
+    assert [line for line in err.splitlines() if line.startswith("marsi:")] == [
+        "marsi: SIGTERM: stopped while starting; nothing was trained and no run directory is left"], err
+    assert not run_dir.exists()
+
+
 # ------------------------------------------------------------------ 10, 11: deadlines and recovery faults
 @pytest.fixture
 def ray_coordinator(ray_cluster, tmp_path):
@@ -248,6 +288,29 @@ def test_a_trainer_killed_before_the_first_checkpoint_is_restarted(ray_cluster, 
         coord.run()
         assert coord.restarts == 1
     assert without_times(rows(tmp_path / "run")) == without_times(rows(reference))
+
+
+def test_a_trainer_killed_during_the_resume_probe_is_restarted(ray_cluster, tmp_path, monkeypatch):
+    raw = config(ray=True, train={"steps": 3, "checkpoint_every": 1})
+    with Coordinator(validate_config(config(train={"steps": 3, "checkpoint_every": 1})), tmp_path / "whole") as coord:
+        coord.run()
+    with Coordinator(validate_config({**raw, "train": {**raw["train"], "steps": 1}}), tmp_path / "run") as coord:
+        coord.run()
+    probe = Coordinator._check_storage_reach
+    killed = []
+
+    def kill_then_probe(coord):  # the trainer dies as the coordinator sends it the storage probe
+        if not killed:
+            killed.append(coord.trainers.info()["b"]["pid"])
+            os.kill(killed[0], signal.SIGKILL)
+        probe(coord)
+
+    monkeypatch.setattr(Coordinator, "_check_storage_reach", kill_then_probe)
+    with Coordinator.resume(tmp_path / "run", ["train.steps=3"]) as coord:
+        assert coord.restarts == 1 and coord.state.step == 1
+        assert killed[0] not in {i["pid"] for i in coord.trainers.info().values()}
+        coord.run()
+    assert without_times(rows(tmp_path / "run")) == without_times(rows(tmp_path / "whole"))
 
 
 # ---------------------------------------------------------------------------------------- 13: full disk

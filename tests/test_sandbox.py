@@ -12,6 +12,7 @@ import re
 import shutil
 import socket as sockets
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,6 +54,17 @@ def test_layers_are_described():
     assert "audit hook" in text and "rlimits" in text
     assert ("namespaces: network" in text) == bool(LAYERS.unshare)
     assert text.endswith("containment: as documented") == (not LAYERS.missing)
+
+
+def test_a_probe_answered_by_another_python_says_which_and_why():
+    # as a leased uid, a Python installed under /root (pyenv) loads the system's libpython: the probe then
+    # answers with that version, which the uid layer's reason names
+    layers = sandbox._Layers(unshare=(), setpriv="/usr/bin/setpriv", drop_uid=True)
+    reason = sandbox._other_python("3.11.2 (main, Apr 28 2025, 14:11:48) [GCC 12.2.0]\n", layers)
+    assert reason == (f"as a leased uid, {sandbox._PYTHON} ran as Python 3.11.2, not {sys.version.split()[0]} as "
+                      "here: that uid cannot read all of this Python's files, e.g. its libpython")
+    assert sandbox._other_python("", dataclasses.replace(layers, drop_uid=False)) == (
+        f"{sandbox._PYTHON} printed no version (here it is {sys.version.split()[0]})")
 
 
 def test_correct_program_and_stdin():

@@ -1,10 +1,13 @@
 """AgentTrainer on the real built-in tiny model: generate, update, save/load, and learning."""
 
 import math
+import threading
+import time
 
 import pytest
 import torch
 
+from agent_trainer import models
 from agent_trainer.trainer import AgentTrainer
 from protocols.config import AgentConfig, AlgorithmConfig
 from protocols.messages import Experience, GenerateRequest, UpdateRequest
@@ -191,3 +194,31 @@ def test_trainer_processes_give_freed_tensors_back_to_the_system():
     kept = {mode: int(subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout) for mode in ("off", "on")}
     assert kept["on"] < 16 and kept["off"] >= kept["on"] + 16, kept
+
+
+def test_a_builtin_built_by_several_at_once_is_built_once_and_leaves_no_temporary_directories(tmp_path, monkeypatch):
+    monkeypatch.setenv("MARSI_CACHE", str(tmp_path))
+    killed = tmp_path / "builtin" / ".toy-v1-x1y2z3"  # what a builder killed mid-build leaves
+    (killed / "half").mkdir(parents=True)
+    builds = []
+
+    def build(out):
+        builds.append(out)
+        time.sleep(0.3)  # long enough for every other builder to arrive meanwhile
+        (out / "config.json").write_text("{}")
+
+    threads = [threading.Thread(target=models._materialise, args=("toy-v1", build)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    assert sorted(p.name for p in (tmp_path / "builtin").iterdir()) == [".toy-v1.lock", "toy-v1"]
+
+    def broken(out):
+        (out / "part").write_text("x")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        models._materialise("other-v1", broken)
+    assert sorted(p.name for p in (tmp_path / "builtin").iterdir()) == [".other-v1.lock", ".toy-v1.lock", "toy-v1"]

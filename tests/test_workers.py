@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,8 @@ from protocols.messages import UpdateRequest
 from tests.dp_workers import REQUEST, VARIANTS, die_in_a_collective, experiences, make_trainer, worker
 from tests.envs import config
 from tests.runs import rows, without_times, run_killing, uninterrupted_rows
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +135,34 @@ def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_on
                                        f"train.steps={STEPS + 2}"]) as coord:
         coord.run()
     assert_same_metrics(without_times(rows(tmp_path)), one_worker_each)
+
+
+_DIE_IN_A_COLLECTIVE = """
+import gc, sys, time
+from agent_trainer.group import TrainerFailure
+from orchestrator.coordinator import Coordinator
+from protocols.config import validate_config
+from tests.dp_workers import die_in_a_collective
+from tests.test_workers import raw_config
+
+raw = raw_config(workers_a=2, ray=True)
+raw["ray"]["num_cpus"] = 2
+with Coordinator(validate_config(raw)) as coord:
+    try:
+        coord.trainers.call(die_in_a_collective, {"a": {}}, timeout=60)
+    except TrainerFailure as failure:
+        print(failure)
+    gc.collect()  # the call's object refs go: Ray reports an error nobody took as it drops its ref
+    time.sleep(5)
+"""
+
+
+def test_a_worker_dying_in_a_collective_fails_its_peer_quietly():
+    # as a user's driver runs it (Ray's log lines reach its stderr), not under the tests' shared cluster
+    done = subprocess.run([sys.executable, "-c", _DIE_IN_A_COLLECTIVE], capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+    assert "agent 'a': die_in_a_collective failed: worker 1 of 2: its process died" in done.stdout, done
+    assert "Unhandled error" not in done.stderr and "Connection reset by peer" not in done.stderr, done.stderr
 
 
 def test_config_refuses_workers_without_ray_and_placement_counts_every_worker():
