@@ -26,12 +26,31 @@ def test_relay_rewards_by_hand():
     from tests.envs import HERE  # noqa: F401  (tests package importable)
 
     env = import_object(f"{EXAMPLES / 'demo' / 'env.py'}:RelayEnv")()
-    assert env.reset({"target": "c"}) == {"speaker": "Say c"}
+    sample = {"letter": "c", "speaker": "..c.", "listener": ".?.."}
+    assert env.reset(sample) == {"speaker": "..c."}
     first = env.step({"speaker": "cat"})
-    assert first.reward == 0.5 and first.prompts == {"listener": "Say c"} and not first.terminated
+    assert first.reward == 0.5 and first.prompts == {"listener": ".c.."} and not first.terminated
     last = env.step({"listener": "x"})
     assert last.reward == 0.0 and last.terminated and env.episode_info() == {"speaker_correct": 1.0,
                                                                             "listener_correct": 0.0}
+    # the listener scores only by relaying a right answer: a wrong speaker's letter decoded pays nothing
+    env.reset(sample)
+    assert env.step({"speaker": "d"}).prompts == {"listener": ".d.."}
+    assert env.step({"listener": "c"}).reward == 0.0
+    env.reset(sample)
+    assert env.step({"speaker": ""}).prompts == {"listener": "...."}  # an empty answer leaves a dot
+    assert env.step({"listener": "c"}).reward == 0.0
+
+
+def test_relay_held_out_rows_are_longer_than_every_training_row():
+    from tests.envs import HERE  # noqa: F401
+
+    make = import_object(f"{EXAMPLES / 'demo' / 'env.py'}:make_dataset")
+    train, held_out = make().to_list(), make(lengths=[6, 7, 8], n=32, seed=1).to_list()
+    assert max(len(r["speaker"]) for r in train) == 4 and min(len(r["speaker"]) for r in held_out) == 6
+    for row in train + held_out:
+        assert row["speaker"].replace(".", "") == row["letter"] and row["listener"].replace(".", "") == "?"
+    assert {r["letter"] for r in train} == {r["letter"] for r in held_out} == set("abcd")
 
 
 class _Raises(Environment):

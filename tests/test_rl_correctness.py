@@ -63,8 +63,8 @@ def play_relay(assignment, rotation="none", num_generations=4, samples=2):
     from examples.demo.env import RelayEnv
 
     roles = RoleAssignment(RolesConfig(assignment=assignment, rotation=rotation))
-    batch = [{"target": "abcd"[i % 4]} for i in range(samples)]
-    return rollout.play(RelayEnv, batch, num_generations, roles, scripted_generate(lambda p: p[-1]),
+    batch = [{"letter": "abcd"[i % 4], "speaker": "." * i + "abcd"[i % 4], "listener": "?."} for i in range(samples)]
+    return rollout.play(RelayEnv, batch, num_generations, roles, scripted_generate(lambda p: p.replace(".", "")),
                         seed=0, first_episode=0)
 
 
