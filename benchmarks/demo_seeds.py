@@ -14,7 +14,9 @@ together help?" at the same number of steps:
 - `one_agent`: one agent (alice) holds both roles and trains every step.
 
 Printed per seed: the team reward of the first and last 30 steps, the held-out reward at the initial and
-final weights with the gain's interval, and the seconds taken. The summary gives the median and the worst
+final weights with the gain's interval, each agent's share of groups whose returns were all equal over the
+last 30 steps (`groups/zero_variance/AGENT`: no gradient; near 1 with a reward short of 1.0 is a stall),
+and the seconds taken. The summary gives the median and the worst
 seed of the last-30-step training reward and of the held-out gain, and on how many seeds the gain's
 interval excludes 0. `--threads` sets torch's intra-op threads: run it at 1 and 2 to see how far the
 figures move with the thread count (float rounding differs, so individual seeds' trajectories do).
@@ -67,7 +69,8 @@ def main() -> None:
         gain = row["gain"]
         print(f"seed {seed}: train {row['first']:.3f} -> {row['last']:.3f} | held-out {gain['before']:.3f} -> "
               f"{gain['after']:.3f}, gain {gain['difference']:+.3f} (95% CI {gain['low']:+.3f} .. {gain['high']:+.3f}"
-              f"{'' if gain['distinguishable'] else ', not distinguishable'}) | {row['seconds']:.0f} s", flush=True)
+              f"{'' if gain['distinguishable'] else ', not distinguishable'}) | zero-variance groups, last {WINDOW} steps: "
+              f"{', '.join(f'{a} {v:.2f}' for a, v in row['flat'].items())} | {row['seconds']:.0f} s", flush=True)
     print(f"after: {bc.load_line()}")
     lasts, gains = [r["last"] for r in rows], [r["gain"]["difference"] for r in rows]
     sure = sum(r["gain"]["distinguishable"] and r["gain"]["difference"] > 0 for r in rows)
@@ -100,8 +103,10 @@ def run(args, seed: int) -> dict:
             after = coord.evaluation.run(coord.generate, coord.assignment)
     rewards = [m["reward/mean"] for m in history]
     gain = compare(before.episodes[""]["reward/mean"], after.episodes[""]["reward/mean"], before.samples)
+    flat = {key.rsplit("/", 1)[1]: statistics.fmean(m[key] for m in history[-WINDOW:] if key in m)
+            for key in sorted({k for m in history for k in m if k.startswith("groups/zero_variance/")})}
     return {"first": statistics.fmean(rewards[:WINDOW]), "last": statistics.fmean(rewards[-WINDOW:]), "gain": gain,
-            "steps": len(rewards), "seconds": time.perf_counter() - start}
+            "flat": flat, "steps": len(rewards), "seconds": time.perf_counter() - start}
 
 
 if __name__ == "__main__":

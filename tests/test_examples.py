@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,23 @@ def test_every_example_evaluates_on_held_out_samples(config_path):
     assert config.eval is not None, "every example has an eval: section"
     evaluation = Evaluation(config, load_samples(config.data))  # refuses an eval sample that is a training one
     assert len(evaluation.samples) >= 4
+
+
+def test_the_demos_held_out_evaluation_is_wired(tmp_path):
+    """Two short steps of the demo: its evaluation runs before and after on the held-out rows (32 x 4 episodes), and
+    `compare` pairs the two (that it improves is benchmarks/demo_seeds.py's to show, over seeds)."""
+    from orchestrator.coordinator import Coordinator
+    from orchestrator.evaluation import compare
+
+    config = load_config(EXAMPLES / "demo" / "config.yaml", ["ray.enabled=false", "train.steps=2", "train.batch_size=2",
+                                                             "train.num_generations=2", "train.progress=false"])
+    with Coordinator(config, run_dir=tmp_path / "run") as coord:
+        assert {len(s["speaker"]) for s in coord.evaluation.samples} == {6, 7, 8}
+        before = coord.evaluation.run(coord.generate, coord.assignment)
+        coord.run()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [row for row in rows if "eval/reward/mean" in row]
+    assert [row["step"] for row in evals] == [0, 2] and {row["eval/episodes"] for row in evals} == {128}
+    assert len(before.episodes[""]["reward/mean"]) == 128 and len(set(before.samples)) == 32
+    c = compare(before.episodes[""]["reward/mean"], before.episodes[""]["reward/mean"], before.samples)
+    assert c["difference"] == 0.0 and c["samples"] == 32
