@@ -19,9 +19,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 NATIVE_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 """CPU flags under which bfloat16 matmuls run natively (AVX-512 BF16 dot products, AMX tiles)."""
@@ -70,6 +71,8 @@ def cpu_report(cpuinfo: str) -> tuple[str, frozenset[str]]:
 def capabilities(device: torch.device | str = "cpu") -> Capabilities:
     """The report of `device` in this process: /proc/cpuinfo and torch's CPU report for the CPU, torch.cuda for
     a GPU (compute capability 8.0 or later computes bf16; earlier ones emulate it)."""
+    import torch  # here, not at the top: the coordinator imports this module and never torch
+
     device = torch.device(device)
     try:
         model, flags = cpu_report(Path("/proc/cpuinfo").read_text())
@@ -127,6 +130,8 @@ def choose(requested: str, device: torch.device, *, model: str) -> Precision:
 def bf16_slowdown(device: torch.device, size: int = 256, repeats: int = 5) -> float:
     """The time of a (size x size) @ (size x size) matmul in bfloat16 over its time in float32 on `device`, each the
     fastest of `repeats` after one warm-up: tens of milliseconds on a CPU that emulates bf16."""
+    import torch
+
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator).to(device) for _ in range(2))
 

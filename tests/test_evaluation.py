@@ -177,7 +177,8 @@ def test_marsi_eval_on_a_finished_run_and_on_a_config(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "reward/mean last (step 2) - initial: " in out.stdout and "95% CI" in out.stdout
     assert "over 4 samples" in out.stdout and "8 paired episodes, temperature 1" in out.stdout
-    assert "last (step 2)" in out.stdout.splitlines()[2]
+    table = [line for line in out.stdout.splitlines() if not line.startswith("marsi: ")]  # the precision line first
+    assert table[1].startswith("initial ") and table[2].startswith("last (step 2) ")
     written = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [w["checkpoint"] for w in written] == ["initial", "last"] and len(written[0]["episodes"][""]["reward/mean"]) == 8
     assert [w["step"] for w in written] == [0, 2]
@@ -185,7 +186,8 @@ def test_marsi_eval_on_a_finished_run_and_on_a_config(tmp_path):
     assert out.returncode == 0 and "episode/hits last (step 2) - initial: " in out.stdout, out.stderr
     out = marsi("eval", write(tmp_path, raw, "alone.yaml"))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[1].split()[:2] == ["initial", "8"]
+    table = [line for line in out.stdout.splitlines() if not line.startswith("marsi: ")]
+    assert table[1].split()[:2] == ["initial", "8"]
 
 
 def test_bad_eval_settings_get_one_line(tmp_path):
