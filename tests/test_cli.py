@@ -66,7 +66,7 @@ def test_run_writes_a_complete_run_directory_and_resume_continues_it(tmp_path):
     ckpt = run / "checkpoints" / "step-000002"
     assert (ckpt / "agents" / "a" / "model" / "config.json").exists()
     state = json.loads((ckpt / "coordinator.json").read_text())
-    assert state["step"] == 2 and state["data"] == {"epoch": 0, "index": 4} and "schedule_phase" in state
+    assert state["step"] == 2 and state["data"] == {"epoch": 0, "index": 4} and "schedule_phase" not in state
 
     out = marsi("resume", run, "train.steps=3", env=RAY_DEFAULTS)
     assert out.returncode == 0, out.stderr
