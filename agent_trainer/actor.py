@@ -2,8 +2,9 @@
 
 A host (`agent_trainer.hosts`) holds one full-model agent, or adapter agents sharing a base model. A
 full-model agent with `resources.num_workers: K` is a host of K actors joined into one torch.distributed
-group (`agent_trainer.workers`); `RayTrainers.call` sends each of them the whole request and merges their
-answers into the agent's one answer, so callers see one agent."""
+group (`agent_trainer.workers`). `RayTrainers` is the pool (`agent_trainer.handle.TrainerPool`): a call goes
+to the workers its `Agent` method's dispatch names (`agent_trainer.dispatch`), which also makes the agent's
+one answer of theirs, so callers see one agent."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from agent_trainer import reaper, workers
+from agent_trainer import reaper
+from agent_trainer.agent import Agent
+from agent_trainer.dispatch import WorkersDisagree, dispatch_of
+from agent_trainer.handle import TrainerFailure, TrainerPool, TrainerStartError
 from protocols.config import RayConfig, RunConfig, host_layout
 from protocols.errors import UserError, describe, one_line
 
@@ -94,7 +98,7 @@ class _TrainerActor:
         started = time.perf_counter()
         import torch
 
-        from agent_trainer.group import TrainerStartError, return_freed_memory
+        from agent_trainer.group import return_freed_memory
         from agent_trainer.hosts import Host
 
         return_freed_memory()
@@ -107,8 +111,22 @@ class _TrainerActor:
             self.error = str(exc)
         self.start_s = time.perf_counter() - started  # imports, the models, the optimizer
 
-    def call(self, agent: str, method: str | Callable, kwargs: dict[str, Any]):
-        return self.host.call(agent, method, kwargs)
+    def call(self, agent: str, method: str, *args: Any) -> Any:
+        """The `Agent` method named `method` (one that declares its dispatch) for `agent`."""
+        return self.host.call(agent, getattr(Agent, method), *args)
+
+    def open_store(self, *, address: str, world_size: int, timeout_s: float) -> int:
+        """Worker 0 of a data-parallel agent: open its group's store at `address`; the port."""
+        from agent_trainer import workers
+
+        return workers.open_store(address=address, world_size=world_size, timeout_s=timeout_s)
+
+    def join_group(self, *, address: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """Join this host's (one) agent to its data-parallel group as worker `rank`."""
+        from agent_trainer import workers
+
+        (trainer,) = self.host.trainers.values()
+        workers.join(trainer, address=address, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s)
 
     def info(self) -> dict[str, dict[str, Any]]:
         """Per agent of this host: its process, node, device, precision (`agent_trainer.precision.Precision` as a
@@ -135,19 +153,21 @@ def node_label(node_id: str) -> str:
     return f"node {node_id[:12]}"
 
 
-class RayTrainers:
-    """One Ray actor per host worker; `call` fans out to all named agents' workers, then gathers once.
+class RayTrainers(TrainerPool):
+    """One Ray actor per host worker; a call fans out to all named agents' workers, then gathers once.
     `workers[agent]` lists the actors of an agent's host in worker order.
     Agents of one host are served by one actor, one call at a time; its death is a failure of each of them."""
 
     def __init__(self, config: RunConfig, updates: dict[str, int]):
-        from agent_trainer.group import TrainerStartError, num_threads, placement_problem
+        from agent_trainer.group import num_threads, placement_problem
 
         total = ray.cluster_resources()
         problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), "the Ray cluster")
         if problem:  # cannot fit at all: say so now rather than after placement_timeout_s
             raise PlacementError(problem)
         layout = host_layout(config)
+        self.agents = list(config.agents)
+        self.call_timeout, self.checkpoint_timeout = config.train.call_timeout_s, config.train.checkpoint_timeout_s
         resources = {host: config.agents[agents[0]].resources for host, agents in layout.items()}  # a host's agents share it
         bundles = [{"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {})}
                    for r in resources.values() for _ in range(r.num_workers)]
@@ -198,18 +218,16 @@ class RayTrainers:
                       call_timeout: float | None) -> None:
         """Join each multi-worker agent's actors into its process group: worker 0 opens the group's store
         on its node, then every worker joins at that address. Collectives time out after `call_timeout`."""
-        from agent_trainer.group import TrainerStartError
-
         groups = {name: group for name, group in self.workers.items() if len(group) > 1}
         if not groups:
             return
         timeout_s = call_timeout or 7 * 24 * 3600.0
-        hosts = {name: _node_address(info[name]["node"]) for name in groups}
-        ports = dict(zip(groups, ray.get([group[0].call.remote(name, workers.host_store, {
-            "host": hosts[name], "world_size": len(group), "timeout_s": timeout_s}) for name, group in groups.items()],
+        addresses = {name: _node_address(info[name]["node"]) for name in groups}
+        ports = dict(zip(groups, ray.get([group[0].open_store.remote(
+            address=addresses[name], world_size=len(group), timeout_s=timeout_s) for name, group in groups.items()],
             timeout=start_timeout)))
-        joined = {actor.call.remote(name, workers.join, {"host": hosts[name], "port": ports[name], "rank": rank,
-                                                   "world_size": len(group), "timeout_s": timeout_s}): name
+        joined = {actor.join_group.remote(address=addresses[name], port=ports[name], rank=rank, world_size=len(group),
+                                          timeout_s=timeout_s): name
                   for name, group in groups.items() for rank, actor in enumerate(group)}
         for ref, name in joined.items():
             try:
@@ -218,25 +236,23 @@ class RayTrainers:
                 reason = (describe(exc.cause or exc) if isinstance(exc, ray.exceptions.RayTaskError)
                           else one_line(exc)[:200])
                 raise TrainerStartError(f"agent {name!r}: its {len(groups[name])} workers could not join one "
-                                        f"process group at {hosts[name]}:{ports[name]} "
+                                        f"process group at {addresses[name]}:{ports[name]} "
                                         f"({reason}); check that the nodes reach each other on that port") from None
 
-    def call(self, method: str | Callable, kwargs_by_agent: dict[str, dict[str, Any]],
-             timeout: float | None = None) -> dict:
+    def _fan_out(self, method: Callable, calls: dict[str, tuple], timeout: float | None) -> dict[str, Any]:
         """Fan out to every named agent's workers, then gather; a dead, hung or raising worker is a
-        TrainerFailure of its agent. Every worker gets the same request (worker 0 only, for the calls in
-        `workers.FIRST_WORKER_CALLS`); `workers.merge` makes the agent's answer of theirs.
-        `method`: a trainer method's name, or a function run in the trainer's process (`agent_trainer.storage`)."""
-        from agent_trainer.group import method_name
-
-        method_label = method_name(method)
+        TrainerFailure of its agent. The method's dispatch names the workers (all, or worker 0) and makes
+        the agent's answer of theirs (`agent_trainer.dispatch`)."""
+        dispatch = dispatch_of(method)
+        method_label = method.__name__
         refs = {}  # ref -> (agent, worker rank)
-        for name, kwargs in kwargs_by_agent.items():
-            group = self.workers[name][:1] if method_label in workers.FIRST_WORKER_CALLS else self.workers[name]
-            shared = ray.put(kwargs) if len(group) > 1 else kwargs  # one copy in the object store for all workers
-            refs.update({actor.call.remote(name, method, shared): (name, rank) for rank, actor in enumerate(group)})
+        for name, args in calls.items():
+            group = self.workers[name] if dispatch.all_workers else self.workers[name][:1]
+            if len(group) > 1:  # one copy in the object store for all workers
+                args = tuple(ray.put(arg) for arg in args)
+            refs.update({actor.call.remote(name, method_label, *args): (name, rank) for rank, actor in enumerate(group)})
         deadline = None if timeout is None else time.monotonic() + timeout
-        answers: dict[str, dict[int, Any]] = {name: {} for name in kwargs_by_agent}
+        answers: dict[str, dict[int, Any]] = {name: {} for name in calls}
         pending = list(refs)
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -260,11 +276,15 @@ class RayTrainers:
                     raise self._failure(name, dead, method_label, "its process died (a collective failed on its "
                                         "peers)", True) from None
                 raise self._failure(name, rank, method_label, describe(exc.cause or exc), False) from None
-        return {name: workers.merge([got[r] for r in sorted(got)]) for name, got in answers.items()}
+        collected = {}
+        for name, got in answers.items():
+            try:
+                collected[name] = dispatch.collect([got[r] for r in sorted(got)])
+            except WorkersDisagree as exc:
+                raise TrainerFailure(name, method_label, f"its workers disagree: {exc}", recoverable=False) from None
+        return collected
 
     def _failure(self, agent: str, rank: int, method: str, reason: str, recoverable: bool):
-        from agent_trainer.group import TrainerFailure
-
         size = len(self.workers[agent])
         return TrainerFailure(agent, method, f"worker {rank} of {size}: {reason}" if size > 1 else reason, recoverable)
 

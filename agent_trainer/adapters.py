@@ -3,14 +3,14 @@
 An agent with `agents.NAME.adapter` trains only its adapter. The agents of one host (`agents.NAME.host`) hold
 one `SharedBase`: one copy of the base weights (stored in `agents.NAME.dtype`: nothing of it is trained) in a
 `peft` model with one named adapter per agent. Each agent keeps its own adapter weights (float32), optimizer,
-learning-rate state, update count and RNG state; its calls run one at a time inside `selected`, which makes
-its adapter the active one (the only one in the forward pass, the only one with gradients) and swaps in its
-RNG state.
+learning-rate state, update count and RNG state; its calls run one at a time inside
+`AdapterTrainer.selected`, which makes its adapter the active one (the only one in the forward pass, the
+only one with gradients) and swaps in its RNG state.
 
 - **KL reference.** `BaseOnly`: the shared base with the adapters switched off for the forward pass; no copy.
 - **Checkpoints.** `AGENT_DIR/adapter/` (`adapter_model.safetensors`, `adapter_config.json`: the layout
   `peft` writes, which `PeftModel.from_pretrained(base, AGENT_DIR / "adapter")` loads) and
-  `AGENT_DIR/trainer_state.pt` (optimizer, loss scale, update count, RNG states): never the base. A frozen
+  `AGENT_DIR/trainer_state.pt` (`AgentTrainer.save_training_state`): never the base. A frozen
   adapter agent that has not loaded a checkpoint writes only where its weights come from (`source.json`).
 - **Dropout.** `adapter.dropout` acts in updates only: sampling and the log-probs it records never drop.
 """
@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from agent_trainer import rng
 from agent_trainer.models import SOURCE_MARKER, load_model, resolve_model_path, source_fingerprint
-from protocols.config import AgentConfig
-from protocols.messages import CheckpointInfo
-
-if TYPE_CHECKING:
-    from agent_trainer.trainer import AgentTrainer
+from agent_trainer.trainer import AgentTrainer, refuse_nonfinite, weights_digest
+from protocols.config import AgentConfig, AlgorithmConfig
+from protocols.messages import CheckpointInfo, WeightDigests
 
 ADAPTER_DIR = "adapter"
 """An adapter agent's checkpoint holds its adapter here, in peft's layout."""
@@ -102,32 +99,112 @@ class BaseOnly:
     __call__ = forward
 
 
-# ------------------------------------------------------------------------------- switching agents
-@contextlib.contextmanager
-def selected(trainer: AgentTrainer, method: str = "") -> Iterator[None]:
-    """Run one call of an adapter agent: its adapter active (the others out of the forward pass and without
-    gradients), its RNG state in the process, its adapter's dropout on during an update. Full-model agents:
-    nothing changes."""
-    if getattr(trainer.agent, "adapter", None) is None:
-        yield
-        return
-    model, name = trainer.model, adapter_name(trainer.name)
-    model.set_adapter(name)
-    for p in own_parameters(model, trainer.name).values():
-        p.requires_grad_(trainer.trainable)
-    states = trainer.shared.rng_states
-    rng.restore(states[name])
-    dropouts = [m.lora_dropout[name] for m in model.modules()
-                if isinstance(getattr(m, "lora_dropout", None), torch.nn.ModuleDict) and name in m.lora_dropout]
-    if method == "update":
-        for d in dropouts:
-            d.train()
-    try:
-        yield
-    finally:
-        for d in dropouts:
-            d.eval()
-        states[name] = rng.capture()
+# ---------------------------------------------------------------------------------- the host kind
+class AdapterTrainer(AgentTrainer):
+    """An adapter agent: a full-model agent's learner whose policy is its adapter on the host's shared base.
+    `base`: the host's `SharedBase` (None: a base of its own)."""
+
+    def __init__(self, name: str, agent: AgentConfig, algorithm: AlgorithmConfig, *, base: SharedBase | None = None,
+                 **kwargs):
+        self.shared = base if base is not None else SharedBase()
+        super().__init__(name, agent, algorithm, **kwargs)
+
+    def _load_policy(self):
+        """The shared peft model with this agent's adapter attached; the base stays frozen in agent.dtype, the
+        adapter trains in float32."""
+        return self.shared.attach(self.name, self.agent, device=self.device, trainable=self.trainable)
+
+    def _reference_model(self):
+        return BaseOnly(self.model)  # the shared base, adapters off: no copy
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return list(own_parameters(self.model, self.name).values())
+
+    @contextlib.contextmanager
+    def selected(self, *, updating: bool = False) -> Iterator[None]:
+        """Run one call of this agent: its adapter active (the others out of the forward pass and without
+        gradients), its RNG state in the process, its adapter's dropout on during an update (`updating`)."""
+        model, name = self.model, adapter_name(self.name)
+        model.set_adapter(name)
+        for p in own_parameters(model, self.name).values():
+            p.requires_grad_(self.trainable)
+        states = self.shared.rng_states
+        rng.restore(states[name])
+        dropouts = [m.lora_dropout[name] for m in model.modules()
+                    if isinstance(getattr(m, "lora_dropout", None), torch.nn.ModuleDict) and name in m.lora_dropout]
+        if updating:
+            for d in dropouts:
+                d.train()
+        try:
+            yield
+        finally:
+            for d in dropouts:
+                d.eval()
+            states[name] = rng.capture()
+
+    def parameters_digest(self) -> str:
+        """SHA-256 of the weights this agent computes with: the base and its own adapter."""
+        return weights_digest({n: p for n, p in self.model.named_parameters()
+                               if _owner(n) in (None, adapter_name(self.name))})
+
+    def weight_digests(self) -> WeightDigests:
+        base = {n: p for n, p in self.model.named_parameters() if _owner(n) is None}
+        return WeightDigests(base=weights_digest(base), adapter=weights_digest(own_parameters(self.model, self.name)))
+
+    def save(self, path: str | Path) -> CheckpointInfo:
+        """The agent's adapter (peft's layout, under `path/adapter`) and training state; never the base."""
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if not self.trainable and not self.from_checkpoint:
+            (path / SOURCE_MARKER).write_text(json.dumps(_frozen_source(self.agent)))
+            return self._checkpoint_info(path)
+        weights = get_peft_model_state_dict(self.model, adapter_name=adapter_name(self.name),
+                                            save_embedding_layers=False)  # the base is never trained: never saved
+        refuse_nonfinite(self.name, "adapter", weights)
+        out = path / ADAPTER_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({n: p.detach().contiguous().cpu() for n, p in weights.items()}, out / "adapter_model.safetensors",
+                  metadata={"format": "pt"})
+        config = copy.deepcopy(self.model.peft_config[adapter_name(self.name)])
+        config.base_model_name_or_path = resolve_model_path(self.agent.model)
+        config.inference_mode = True
+        config.save_pretrained(out)
+        self.save_training_state(path)
+        return self._checkpoint_info(path)
+
+    def load(self, path: str | Path) -> CheckpointInfo:
+        """Load the agent's adapter and training state saved by `save` into the shared model, in place."""
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path, name = Path(path), self.name
+        marker = path / SOURCE_MARKER
+        if marker.exists():
+            saved, now = json.loads(marker.read_text()), _frozen_source(self.agent)
+            if saved != now:
+                raise ValueError(f"agent {name!r} is frozen and its checkpoint {path} refers to {saved['model']!r} "
+                                 f"with adapter {saved.get('adapter')!r}, which have changed since; restore those "
+                                 "weights or start a new run")
+            return self._checkpoint_info(path)
+        adapter_dir = path / ADAPTER_DIR
+        if not (adapter_dir / "adapter_model.safetensors").is_file():
+            raise ValueError(f"agent {name!r} is an adapter agent but its checkpoint {path} holds no "
+                             f"{ADAPTER_DIR}/adapter_model.safetensors (was it saved by a full-model agent?); resume "
+                             "with the run's agents.NAME.adapter setting")
+        weights = load_file(adapter_dir / "adapter_model.safetensors", device=str(self.device))
+        with torch.no_grad():
+            result = set_peft_model_state_dict(self.model, weights, adapter_name=adapter_name(name))
+        unexpected = [k for k in result.unexpected_keys if _owner(k) is not None]
+        if unexpected:
+            raise ValueError(f"agent {name!r}: the adapter in {adapter_dir} does not fit agents.{name}.adapter "
+                             f"({len(unexpected)} unexpected tensors, first {unexpected[0]}); resume with its settings")
+        self.from_checkpoint = True
+        self.engine.sync(self.model)
+        self.load_training_state(path)  # its RNG state: `selected` keeps it as this agent's on the way out
+        return self._checkpoint_info(path)
 
 
 def _owner(parameter_name: str) -> str | None:
@@ -142,90 +219,6 @@ def _owner(parameter_name: str) -> str | None:
 def own_parameters(model, agent: str) -> dict[str, torch.nn.Parameter]:
     """Agent `agent`'s adapter parameters in the shared model."""
     return {n: p for n, p in model.named_parameters() if _owner(n) == adapter_name(agent)}
-
-
-def digest(named: dict[str, torch.Tensor]) -> str:
-    """SHA-256 of named tensors' names and bytes: equal digests mean equal weights."""
-    h = hashlib.sha256()
-    for key, p in sorted(named.items()):
-        h.update(key.encode())
-        h.update(p.detach().cpu().float().numpy().tobytes())
-    return h.hexdigest()
-
-
-def parameters_digest(trainer: AgentTrainer) -> str:
-    """SHA-256 of the weights an adapter agent computes with: the base and its own adapter."""
-    named = {n: p for n, p in trainer.model.named_parameters() if _owner(n) in (None, adapter_name(trainer.name))}
-    return digest(named)
-
-
-def weight_digests(trainer: AgentTrainer) -> dict[str, str]:
-    """SHA-256 of an adapter agent's own adapter and of the base it shares (a function for the trainer pools'
-    `call`); a full-model agent has only a base."""
-    if getattr(trainer.agent, "adapter", None) is None:
-        return {"base": trainer.parameters_digest(), "adapter": ""}
-    base = {n: p for n, p in trainer.model.named_parameters() if _owner(n) is None}
-    return {"base": digest(base), "adapter": digest(own_parameters(trainer.model, trainer.name))}
-
-
-# ------------------------------------------------------------------------------------ save / load
-def save(trainer: AgentTrainer, path: Path) -> CheckpointInfo:
-    """The agent's adapter (peft's layout, under `path/adapter`) and trainer state; never the base."""
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    agent = trainer.agent
-    if not trainer.trainable and not trainer.from_checkpoint:
-        (path / SOURCE_MARKER).write_text(json.dumps(_frozen_source(agent)))
-        return CheckpointInfo(agent=trainer.name, path=str(path), step=trainer.step)
-    weights = get_peft_model_state_dict(trainer.model, adapter_name=adapter_name(trainer.name),
-                                        save_embedding_layers=False)  # the base is never trained: never saved
-    bad = [n for n, p in weights.items() if not bool(torch.isfinite(p).all())]
-    if bad:
-        raise ValueError(f"agent {trainer.name!r}: {len(bad)} adapter tensors are not finite (first: {bad[0]}); "
-                         "refusing to write a checkpoint from them; the last good checkpoint stays the newest")
-    out = path / ADAPTER_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({n: p.detach().contiguous().cpu() for n, p in weights.items()}, out / "adapter_model.safetensors",
-              metadata={"format": "pt"})
-    config = copy.deepcopy(trainer.model.peft_config[adapter_name(trainer.name)])
-    config.base_model_name_or_path = resolve_model_path(agent.model)
-    config.inference_mode = True
-    config.save_pretrained(out)
-    trainer._save_state(path)
-    return CheckpointInfo(agent=trainer.name, path=str(path), step=trainer.step)
-
-
-def load(trainer: AgentTrainer, path: Path) -> CheckpointInfo:
-    """Load the agent's adapter and trainer state saved by `save` into the shared model, in place."""
-    from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    name = trainer.name
-    marker = path / SOURCE_MARKER
-    if marker.exists():
-        saved, now = json.loads(marker.read_text()), _frozen_source(trainer.agent)
-        if saved != now:
-            raise ValueError(f"agent {name!r} is frozen and its checkpoint {path} refers to {saved['model']!r} with "
-                             f"adapter {saved.get('adapter')!r}, which have changed since; restore those weights or "
-                             "start a new run")
-        return CheckpointInfo(agent=name, path=str(path), step=trainer.step)
-    adapter_dir = path / ADAPTER_DIR
-    if not (adapter_dir / "adapter_model.safetensors").is_file():
-        raise ValueError(f"agent {name!r} is an adapter agent but its checkpoint {path} holds no "
-                         f"{ADAPTER_DIR}/adapter_model.safetensors (was it saved by a full-model agent?); resume "
-                         "with the run's agents.NAME.adapter setting")
-    weights = load_file(adapter_dir / "adapter_model.safetensors", device=str(trainer.device))
-    with torch.no_grad():
-        result = set_peft_model_state_dict(trainer.model, weights, adapter_name=adapter_name(name))
-    unexpected = [k for k in result.unexpected_keys if _owner(k) is not None]
-    if unexpected:
-        raise ValueError(f"agent {name!r}: the adapter in {adapter_dir} does not fit agents.{name}.adapter "
-                         f"({len(unexpected)} unexpected tensors, first {unexpected[0]}); resume with its settings")
-    trainer.from_checkpoint = True
-    trainer.engine.sync(trainer.model)
-    trainer._load_state(path)  # its RNG state: `selected` keeps it as this agent's on the way out
-    return CheckpointInfo(agent=name, path=str(path), step=trainer.step)
 
 
 def _frozen_source(agent: AgentConfig) -> dict[str, Any]:

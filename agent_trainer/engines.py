@@ -16,6 +16,7 @@ each under the distribution it was sampled from (temperature, then top-k, then t
 `agent_trainer.sampling`), and whether the completion stopped or ran out of length. The learner calls
 `sleep()` before an update (an engine that shares a GPU frees its memory) and `sync(model)` after it and
 after a checkpoint is loaded, so an engine always samples from the learner's current weights.
+`agent_trainer.engine_kinds.make_engine` makes the one an agent names.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import Callable, ContextManager, Literal, Protocol
 import torch
 
 from agent_trainer import sampling
-from protocols.config import AgentConfig
 
 
 @dataclass(frozen=True)
@@ -107,21 +107,6 @@ class HFEngine:
 
     def close(self) -> None:
         self.model = None
-
-
-def make_engine(agent: AgentConfig, model: torch.nn.Module, *, model_path: str, tokenizer_path: str,
-                stop_ids: list[int], pad_id: int, device: torch.device, seed: int,
-                autocast: Callable[[], ContextManager]) -> RolloutEngine:
-    """The engine `agent.rollout.engine` names, sampling from `model` (whose weights came from `model_path`)."""
-    gen = agent.generation
-    if agent.rollout.engine == "hf":
-        return HFEngine(model, top_k=gen.top_k, top_p=gen.top_p, stop_ids=stop_ids, pad_id=pad_id, device=device,
-                        autocast=autocast)
-    from agent_trainer.engine_vllm import VLLMEngine
-
-    return VLLMEngine(model_path=model_path, tokenizer_path=tokenizer_path, generation=gen,
-                      settings=agent.rollout.vllm, dtype=agent.rollout.vllm.dtype or agent.dtype,
-                      stop_ids=stop_ids, device=device, seed=seed)
 
 
 def left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:

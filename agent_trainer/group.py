@@ -1,4 +1,5 @@
-"""A set of named trainers behind one call interface; `LocalTrainers` runs them in this process.
+"""`LocalTrainers`: the pool (`agent_trainer.handle.TrainerPool`) whose trainers run in this process, and the
+resource arithmetic both pools share.
 
 The coordinator imports this module: torch and the trainer load only where trainers run."""
 
@@ -7,26 +8,12 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+from agent_trainer.dispatch import dispatch_of
+from agent_trainer.handle import TrainerFailure, TrainerPool
 from protocols.config import RunConfig, host_layout
-from protocols.errors import UserError, describe
-
-if TYPE_CHECKING:
-    from agent_trainer.trainer import AgentTrainer
-
-
-class TrainerStartError(UserError, RuntimeError):
-    """A trainer could not start (its model did not load, ...); the message names the agent and the fix."""
-
-
-class TrainerFailure(RuntimeError):
-    """A trainer call failed. `recoverable`: the process died or hung, so a restart from a checkpoint
-    may help; otherwise the trainer raised, which a restart would only repeat."""
-
-    def __init__(self, agent: str, method: str, reason: str, recoverable: bool):
-        super().__init__(f"agent {agent!r}: {method} failed: {reason}")
-        self.agent, self.method, self.recoverable = agent, method, recoverable
+from protocols.errors import describe
 
 
 def placement_problem(config: RunConfig, cpus: float, gpus: float, where: str) -> str | None:
@@ -86,49 +73,7 @@ def num_threads(num_cpus: float) -> int:
     return max(1, math.floor(num_cpus))
 
 
-def method_name(method: str | Callable) -> str:
-    """How a trainer call is named in messages: the trainer method, or the storage function (save, load, ...)."""
-    return method if isinstance(method, str) else method.__name__
-
-
-def invoke(trainer: AgentTrainer, method: str | Callable, kwargs: dict[str, Any]):
-    """Call a trainer method by name, or a function that takes the trainer first (`agent_trainer.storage`);
-    an adapter agent's adapter and RNG state are the live ones meanwhile."""
-    from agent_trainer import adapters
-
-    with adapters.selected(trainer, method_name(method)):
-        return getattr(trainer, method)(**kwargs) if isinstance(method, str) else method(trainer, **kwargs)
-
-
-def missing_model_path(name: str, config: RunConfig, where: str) -> str | None:
-    """Why agent `name` cannot load here: its model or tokenizer is a local path (absolute, as the config
-    resolves it; a hub id or a built-in is not) that does not exist on this node, or None."""
-    agent = config.agents[name]
-    for key in ("model", "tokenizer"):
-        value = getattr(agent, key)
-        if value and value.startswith("/") and not Path(value).exists():
-            return (f"agent {name!r}: agents.{name}.{key} {value!r} does not exist on {where}, which hosts this agent; "
-                    "copy it to that path on every node that may host the agent, or give a hub id or a built-in")
-    return None
-
-
-def start_trainer(name: str, config: RunConfig, index: int, total_updates: int,
-                  where: str = "this machine", base=None) -> AgentTrainer:
-    """An AgentTrainer for agent `name`; any failure becomes a one-line TrainerStartError. `where` names the
-    node in messages; `base` is the host's shared base model (`adapters.SharedBase`) for an adapter agent."""
-    problem = missing_model_path(name, config, where)
-    if problem:
-        raise TrainerStartError(problem)
-    from agent_trainer.trainer import AgentTrainer
-
-    try:
-        return AgentTrainer(name, config.agents[name], config.algorithm, seed=config.train.seed + index,
-                            total_updates=total_updates, trainable=name not in config.schedule.frozen, base=base)
-    except Exception as exc:
-        raise TrainerStartError(f"agent {name!r} could not start: {describe(exc)}") from exc
-
-
-class LocalTrainers:
+class LocalTrainers(TrainerPool):
     """Trainers as plain objects in this process, on their hosts (adapter agents of one host share a base);
     calls run one after another."""
 
@@ -139,21 +84,25 @@ class LocalTrainers:
 
         self.set_threads = torch.set_num_threads
         return_freed_memory()
-        self.trainers = {}
+        self.agents = list(config.agents)
+        self.hosts: dict[str, Host] = {}  # agent -> its host
         self.threads = {name: num_threads(agent.resources.num_cpus) for name, agent in config.agents.items()}
         for host, names in host_layout(config).items():
             self.set_threads(self.threads[names[0]])
-            self.trainers.update(Host(host, config, updates).trainers)
+            started = Host(host, config, updates)
+            self.hosts.update(dict.fromkeys(names, started))
+        self.trainers = {name: host.trainers[name] for name, host in self.hosts.items()}
+        self.start_info = self.info()
 
-    def call(self, method: str | Callable, kwargs_by_agent: dict[str, dict[str, Any]],
-             timeout: float | None = None) -> dict:
+    def _fan_out(self, method: Callable, calls: dict[str, tuple], timeout: float | None) -> dict[str, Any]:
+        dispatch = dispatch_of(method)
         results = {}
-        for name, kwargs in kwargs_by_agent.items():
+        for name, args in calls.items():
             self.set_threads(self.threads[name])
             try:
-                results[name] = invoke(self.trainers[name], method, kwargs)
+                results[name] = dispatch.collect([self.hosts[name].call(name, method, *args)])
             except Exception as exc:
-                raise TrainerFailure(name, method_name(method), describe(exc), recoverable=False) from exc
+                raise TrainerFailure(name, method.__name__, describe(exc), recoverable=False) from exc
         return results
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:

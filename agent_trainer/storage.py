@@ -14,7 +14,7 @@
   removes it. Nothing passes through the coordinator, and no file is ever held whole in memory.
 
 The functions `save`, `load` and `probe` run in a trainer's process (Ray actor or in-process) with the
-trainer as first argument; the coordinator sends them through the trainer pools' `call`.
+trainer as first argument: the agent's handle methods of those names (`agent_trainer.agent.Agent`) call them.
 """
 
 from __future__ import annotations
@@ -245,13 +245,36 @@ def _alive(pid: int) -> bool:
 
 
 # ------------------------------------------------------------ what runs in a trainer's process
+@dataclass(frozen=True)
+class SaveRequest:
+    """Save the agent's checkpoint files at `target` (its directory of the checkpoint being written)."""
+
+    target: Path | Location
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """Load the agent from its checkpoint files at `source`; `files` (name -> sha256) checks a copy from storage."""
+
+    source: Path | Location
+    files: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """Whether this node sees the probe file `token` at `where`; the answer is written beside it for `agent`."""
+
+    where: Path | Location
+    token: str
+    agent: str
+
+
 def save(trainer: Any, *, target: Path | Location) -> StoredFiles:
     """Save `trainer` (its `save(path)`) at `target` and report every file it wrote with checksum and size.
-    A Path is the shared run directory: written in place. A Location: staged on this node, uploaded, unstaged."""
+    A Path is a directory the coordinator made in the shared run directory: written in place. A Location: staged on this node, uploaded, unstaged."""
     if isinstance(target, Path):
-        staging_dir = target.parent.parent  # RUN_DIR/checkpoints/.tmp-step-N, made by the coordinator
-        if not staging_dir.is_dir():
-            raise StorageError(f"{staging_dir} (made by the coordinator) is not on this node, so the run directory "
+        if not target.is_dir():  # the coordinator made it: a node that does not see it does not share the directory
+            raise StorageError(f"{target} (made by the coordinator) is not on this node, so the run directory "
                                "is not shared with it; set train.storage to a URI every node reaches")
         trainer.save(target)
         files = hash_tree(target)

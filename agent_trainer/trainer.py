@@ -27,14 +27,14 @@ Choices a reviewer should know (they follow trl, verl and SPIRAL unless said oth
 - Data parallelism (`resources.num_workers` > 1, `agent_trainer.workers`): every worker gets the whole
   request and takes its share of the rows; the loss keeps the whole batch's token and sequence counts, the
   gradients are summed over the workers before clipping and stepping, and the statistics are the whole
-  batch's. `self.workers` is that hook; with one worker it takes every row and reduces nothing.
+  batch's. `self.parallel` is that hook; with one worker it takes every row and reduces nothing.
 - Generation is the rollout engine's (`agent_trainer.engines`: `hf`, the decode loop on this model; `vllm`,
   a colocated vLLM engine with its own copy of the weights). The engine sleeps during an update and is
   synced with the new weights right after it (`sync_seconds`), and after `load`.
-- Adapter agents (`agent.adapter`, `agent_trainer.adapters`): the model is a peft model with a LoRA adapter per
-  agent on a frozen base that the agents of one host share (`base`); the optimizer holds this agent's adapter
-  only, the KL reference is the base with the adapters off, and save/load write and read the adapter alone.
-  Calls must run inside `adapters.selected` (the trainer pools' `invoke` does), which activates the adapter.
+- Host kinds: this class is a full-model agent. `agent_trainer.adapters.AdapterTrainer` is the adapter agent
+  (a LoRA adapter on a frozen base the agents of one host share): it overrides where the policy comes from
+  (`_load_policy`), the KL reference (`_reference_model`), what the optimizer trains (`_trainable_parameters`),
+  save/load/digests, and `selected` (its adapter active and its RNG state in place during a call).
 - Truncated importance sampling (`agent.rollout.tis_cap`, on by default with the vllm engine): the engine's
   behaviour log-probs mu differ from the learner's pi_old for the same weights (kernels, precision). Each
   token's policy-gradient term is multiplied by w = min(exp(log pi_old - log mu), tis_cap), detached, where
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import math
 import random
@@ -59,8 +60,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from agent_trainer import adapters, attention, losses, precision, rng, sampling, shared_prompts
-from agent_trainer.engines import left_pad, make_engine, model_logps
+from agent_trainer import attention, losses, precision, rng, sampling, shared_prompts
+from agent_trainer.engine_kinds import make_engine
+from agent_trainer.engines import left_pad, model_logps
 from agent_trainer.models import (
     DTYPES, SOURCE_MARKER, context_problem, load_model, resolve_model_path, source_fingerprint,
 )
@@ -68,7 +70,7 @@ from agent_trainer.workers import SingleWorker
 from protocols.config import AgentConfig, AlgorithmConfig
 from protocols.messages import (
     CheckpointInfo, Completion, Experience, GenerateRequest, GenerateResult, Prompt, UpdateRequest, UpdateResult,
-    check_experiences,
+    WeightDigests, check_experiences,
 )
 
 transformers.utils.logging.disable_progress_bar()
@@ -82,9 +84,7 @@ class AgentTrainer:
     """Generates completions for prompts and, unless frozen, updates its policy from scored completions."""
 
     def __init__(self, name: str, agent: AgentConfig, algorithm: AlgorithmConfig, *, seed: int = 0,
-                 total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True,
-                 base: adapters.SharedBase | None = None):
-        """`base`: the host's shared base model, for an adapter agent that shares one (None: its own)."""
+                 total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True):
         self.device = torch.device(device) if device is not None else pick_device(agent.resources.num_gpus)
         self.precision = precision.choose(agent.dtype, self.device, model=agent.model)  # `auto` resolved here
         agent = agent.model_copy(update={"dtype": self.precision.dtype})  # what the model, base and engine get
@@ -92,14 +92,8 @@ class AgentTrainer:
         self.total_updates = max(1, total_updates)
         self.compute_dtype = DTYPES[agent.dtype]
         _seed_everything(seed)
-        self.shared = None
         loading = time.perf_counter()
-        if agent.adapter is not None:  # the base stays frozen in agent.dtype; the adapter trains in float32
-            self.shared = base if base is not None else adapters.SharedBase()
-            self.model, self.tokenizer = self.shared.attach(name, agent, device=self.device, trainable=trainable)
-        else:
-            self.model, self.tokenizer = load_model(agent.model, tokenizer=agent.tokenizer, device=self.device,
-                                                    dtype="float32" if trainable else agent.dtype)
+        self.model, self.tokenizer = self._load_policy()
         self.model.eval()  # dropout off for good: the update trains the policy that sampled
         gen = agent.generation
         problem = context_problem(self.model.config, gen.max_prompt_length, gen.max_completion_length)
@@ -114,13 +108,11 @@ class AgentTrainer:
         self.load_seconds = time.perf_counter() - loading  # the model, its tokenizer and its rollout engine
         self.ref_model = self.optimizer = None
         if trainable:
-            if algorithm.beta > 0 and self.shared is not None:
-                self.ref_model = adapters.BaseOnly(self.model)  # the shared base, adapters off: no copy
-            elif algorithm.beta > 0:
-                self.ref_model = copy.deepcopy(self.model).to(self.compute_dtype).requires_grad_(False)
+            if algorithm.beta > 0:
+                self.ref_model = self._reference_model()
             self._make_optimizer()
-        self.workers = SingleWorker()  # agent_trainer.workers.join makes it one of several data-parallel workers
-        self.step = 0
+        self.parallel = SingleWorker()  # agent_trainer.workers.join makes it one of several data-parallel workers
+        self.policy_version = 0  # updates this agent's weights have had
         self.from_checkpoint = False  # weights came from a checkpoint, not from agent.model
         self.use_chat_template = (
             gen.use_chat_template if gen.use_chat_template is not None else bool(self.tokenizer.chat_template)
@@ -133,7 +125,7 @@ class AgentTrainer:
         start = time.perf_counter()
         gen = self.agent.generation
         temperature = gen.temperature if request.temperature is None else request.temperature
-        first, last = self.workers.rows(len(request.prompts))  # this worker's share of the rows
+        first, last = self.parallel.rows(len(request.prompts))  # this worker's share of the rows
         prompts = [self.encode_prompt(p) for p in request.prompts[first:last]]
         rollouts = self.engine.generate([ids for ids, _ in prompts], temperature=temperature, seed=request.seed,
                                         max_new_tokens=request.max_completion_length or gen.max_completion_length,
@@ -209,9 +201,9 @@ class AgentTrainer:
         experiences = by_length(experiences)
         total_tokens = float(sum(len(e.completion_ids) for e in experiences))
         total_sequences = float(len(experiences))
-        first, last = self.workers.rows(len(experiences))
+        first, last = self.parallel.rows(len(experiences))
         experiences = experiences[first:last]  # this worker's share; the normalisers above stay the whole batch's
-        lr = self.agent.optimizer.lr * self._lr_factor(self.step)
+        lr = self.agent.optimizer.lr * self._lr_factor(self.policy_version)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         tis_cap = self.agent.rollout.tis_cap
@@ -264,7 +256,7 @@ class AgentTrainer:
                 with torch.no_grad():
                     stats["entropy"] += float((losses.entropy_from_logits(candidate_logits.detach()) * completion_mask).sum())
                     stats["clipped"] += float((clipped.float() * completion_mask).sum())
-            finite = self.workers.reduce_gradients(self.model.parameters(), finite)  # the whole batch's gradient
+            finite = self.parallel.reduce_gradients(self.model.parameters(), finite)  # the whole batch's gradient
             grad_norm = math.nan
             if finite:
                 self.scaler.unscale_(self.optimizer)
@@ -277,12 +269,12 @@ class AgentTrainer:
             skipped += not finite
             grad_norms.append(grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self.workers.reduce_stats(stats, maxima=("gap_max",))  # the whole batch's sums
+        self.policy_version += 1
+        self.parallel.reduce_stats(stats, maxima=("gap_max",))  # the whole batch's sums
         n = alg.num_iterations
         tis_tokens = stats["tis_tokens"]
         return UpdateResult(
-            agent=self.name, step=self.step, loss=stats["loss"] / n, grad_norm=sum(grad_norms) / n,
+            agent=self.name, policy_version=self.policy_version, loss=stats["loss"] / n, grad_norm=sum(grad_norms) / n,
             kl=stats["kl"] / (n * total_tokens), entropy=stats["entropy"] / (n * total_tokens),
             clip_fraction=stats["clipped"] / (n * total_tokens), lr=lr, num_tokens=int(total_tokens),
             num_sequences=int(total_sequences), seconds=0.0, skipped_steps=skipped,
@@ -321,39 +313,37 @@ class AgentTrainer:
         a frozen agent writes nothing else."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        if self.shared is not None:
-            return adapters.save(self, path)
         if self._weights_are_source():
             (path / SOURCE_MARKER).write_text(json.dumps(
                 {"model": self.agent.model, "fingerprint": source_fingerprint(self.agent.model)}))
-            if not self.trainable:
-                return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
-            self._save_state(path)
-            return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
-        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p).all())]
-        if bad:
-            raise ValueError(f"agent {self.name!r}: {len(bad)} weight tensors are not finite (first: {bad[0]}); "
-                             "refusing to write a checkpoint from them; the last good checkpoint stays the newest")
+            if self.trainable:
+                self.save_training_state(path)
+            return self._checkpoint_info(path)
+        refuse_nonfinite(self.name, "weight", dict(self.model.named_parameters()))
         self.model.save_pretrained(path / "model")
         self.tokenizer.save_pretrained(path / "model")
-        self._save_state(path)
-        return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
+        self.save_training_state(path)
+        return self._checkpoint_info(path)
+
+    def _checkpoint_info(self, path: Path) -> CheckpointInfo:
+        return CheckpointInfo(agent=self.name, path=str(path), policy_version=self.policy_version)
 
     def _weights_are_source(self) -> bool:
         """Whether the weights are still exactly those loaded from `agent.model`."""
-        return self.step == 0 and not self.from_checkpoint
+        return self.policy_version == 0 and not self.from_checkpoint
 
-    def _save_state(self, path: Path) -> None:
-        """Optimizer, loss scale, update count and RNGs: `path/trainer_state.pt`."""
+    def save_training_state(self, path: Path) -> None:
+        """Optimizer, loss scale, update count and RNGs: `path/trainer_state.pt` (every host kind writes it)."""
         torch.save({
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-            "scaler": self.scaler.state_dict() if self.optimizer else None, "step": self.step, "rng": rng.capture(),
+            "scaler": self.scaler.state_dict() if self.optimizer else None, "policy_version": self.policy_version,
+            "rng": rng.capture(),
         }, path / "trainer_state.pt")
 
-    def _load_state(self, path: Path) -> None:
-        """What `_save_state` wrote; a fresh optimizer where it was saved while frozen."""
+    def load_training_state(self, path: Path) -> None:
+        """What `save_training_state` wrote; a fresh optimizer where it was saved while frozen."""
         state = torch.load(path / "trainer_state.pt", weights_only=False)
-        self.step = state["step"]
+        self.policy_version = state["policy_version"] if "policy_version" in state else state["step"]
         if self.trainable:
             self._make_optimizer()
             if state.get("optimizer") is not None:  # None: saved while frozen; a fresh optimizer starts here
@@ -363,8 +353,6 @@ class AgentTrainer:
 
     def load(self, path: str | Path) -> CheckpointInfo:
         path = Path(path)
-        if self.shared is not None:
-            return adapters.load(self, path)
         marker = path / SOURCE_MARKER
         if marker.exists():  # the weights are agent.model's
             saved = json.loads(marker.read_text())
@@ -377,13 +365,13 @@ class AgentTrainer:
                                              dtype=str(self.model.dtype).removeprefix("torch."))[0])
                 self.from_checkpoint = False
             if not (path / "trainer_state.pt").exists():  # a frozen agent's: nothing else was saved
-                self.step = 0
-                return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
+                self.policy_version = 0
+                return self._checkpoint_info(path)
         else:
             self._set_weights(AutoModelForCausalLM.from_pretrained(path / "model", dtype=self.model.dtype))
             self.from_checkpoint = True
-        self._load_state(path)
-        return CheckpointInfo(agent=self.name, path=str(path), step=self.step)
+        self.load_training_state(path)
+        return self._checkpoint_info(path)
 
     def _set_weights(self, model) -> None:
         """Make `model` the policy, on this trainer's device, and put its weights into the rollout engine."""
@@ -392,17 +380,36 @@ class AgentTrainer:
         self.engine.sync(self.model)
 
     def parameters_digest(self) -> str:
-        """SHA-256 of every parameter's bytes: equal digests mean equal weights (an adapter agent's: the base
-        and its own adapter)."""
-        if self.shared is not None:
-            return adapters.parameters_digest(self)
-        return adapters.digest(dict(self.model.named_parameters()))
+        """SHA-256 of the weights this agent computes with: equal digests mean equal weights."""
+        return weights_digest(dict(self.model.named_parameters()))
+
+    def weight_digests(self) -> WeightDigests:
+        """The digest in the two parts an adapter agent has: the base and its own adapter (none here)."""
+        return WeightDigests(base=self.parameters_digest(), adapter="")
+
+    # ----------------------------------------------------------------------------- host kind hooks
+    def _load_policy(self):
+        """The policy model and tokenizer: the agent's own copy, float32 master weights when trainable."""
+        agent = self.agent
+        return load_model(agent.model, tokenizer=agent.tokenizer, device=self.device,
+                          dtype="float32" if self.trainable else agent.dtype)
+
+    def _reference_model(self):
+        """The KL reference: a frozen copy of the initial policy in the compute dtype."""
+        return copy.deepcopy(self.model).to(self.compute_dtype).requires_grad_(False)
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def selected(self, *, updating: bool = False):
+        """The context every call of this agent runs in (a host's agents take turns): nothing to switch for
+        an agent that has its process's model to itself."""
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------------------------ internals
     def _make_optimizer(self) -> None:
         opt = self.agent.optimizer
-        params = (list(adapters.own_parameters(self.model, self.name).values()) if self.shared is not None
-                  else [p for p in self.model.parameters() if p.requires_grad])
+        params = self._trainable_parameters()
         self.optimizer = torch.optim.AdamW(
             params, lr=opt.lr, betas=opt.betas,
             weight_decay=opt.weight_decay, fused=True,  # fused kernels on CPU and GPU: ~5x faster steps on CPU
@@ -437,6 +444,23 @@ class AgentTrainer:
         gen = self.agent.generation
         return sampling.token_logps(logits, batch.completion_ids, batch.temperatures.view(-1, 1, 1), gen.top_k,
                                     gen.top_p)
+
+
+def weights_digest(named: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of named tensors' names and bytes: equal digests mean equal weights."""
+    h = hashlib.sha256()
+    for key, p in sorted(named.items()):
+        h.update(key.encode())
+        h.update(p.detach().cpu().float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def refuse_nonfinite(agent: str, kind: str, named: dict[str, torch.Tensor]) -> None:
+    """Raise rather than checkpoint weights with a non-finite value; the last good checkpoint stays the newest."""
+    bad = [n for n, p in named.items() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"agent {agent!r}: {len(bad)} {kind} tensors are not finite (first: {bad[0]}); "
+                         "refusing to write a checkpoint from them; the last good checkpoint stays the newest")
 
 
 def by_length(experiences: list[Experience]) -> list[Experience]:

@@ -2,22 +2,24 @@
 
 An agent with `resources.num_workers: K` is K worker processes (Ray actors, `agent_trainer.actor`) joined
 into one torch.distributed process group: gloo on CPU, NCCL on GPU. Worker 0 opens the group's store on a
-free port of its node (`host_store`); the driver passes that address to every worker (`join`). Nothing is
-configured by hand. To everything above `agent_trainer/` the K workers are one agent:
+free port of its node (`open_store`); the driver passes that address to every worker (`join`). Nothing is
+configured by hand. To everything above `agent_trainer/` the K workers are one agent; how each call fans out
+over them is declared on its method (`agent_trainer.dispatch`, `agent_trainer.agent.Agent`):
 
 - **Generate.** Every worker gets the whole request and decodes its share of the rows (`rows`: contiguous,
-  in order, the first `n % K` workers one row more); the driver concatenates the shares in worker order
-  (`merge`). A row's sample depends on the request's seed and the row's index only
+  in order, the first `n % K` workers one row more); the pool concatenates the shares in worker order
+  (`Dispatch.ROWS`). A row's sample depends on the request's seed and the row's index only
   (`agent_trainer.sampling`), so K does not change what is sampled.
 - **Update.** Every worker gets the whole batch, counts its tokens and sequences (the loss's normalisers:
   the whole batch's, as one worker would use), and trains on its share. After each pass over its
   micro-batches it all-reduces (SUM) the gradients (`reduce_gradients`), so every worker holds the whole
   batch's gradient and clips it by its global norm, then steps the same optimizer state to the same
   weights. The update's statistics are summed (largest values: maxed) across workers (`reduce_stats`), so
-  the UpdateResult is the whole batch's. Gradients are summed rather than averaged because each
+  the UpdateResult is the whole batch's (`Dispatch.ALL_EQUAL` checks that the workers' results agree). Gradients are summed rather than averaged because each
   worker's loss is already divided by the whole batch's count.
 - **Checkpoints.** The workers hold the same weights and optimizer state, so worker 0 alone saves (one
-  copy, the single-worker layout) and every worker loads the same files: a checkpoint loads on any K.
+  copy, the single-worker layout: `Dispatch.RANK_ZERO`) and every worker loads the same files: a checkpoint
+  loads on any K.
 - **Failures.** A worker that dies or hangs is a failure of its agent (`agent_trainer.actor`): the whole
   group is restarted and restored, like a single trainer.
 
@@ -30,14 +32,9 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from protocols.messages import GenerateResult
-
-if TYPE_CHECKING:  # torch loads in the workers; the driver imports this module for `merge` and the join calls
+if TYPE_CHECKING:  # torch loads in the workers
     import torch
     import torch.distributed as dist
-
-FIRST_WORKER_CALLS = frozenset({"save", "parameters_digest", "score", "per_token_logps"})
-"""Calls only worker 0 answers: the workers hold the same weights, so one copy is written or read."""
 
 _BUCKET = 1 << 24  # gradient elements all-reduced at once: bounds the flat buffer to 64 MiB of float32
 
@@ -123,20 +120,20 @@ class DataParallel:
 
 
 # ------------------------------------------------------------------ joining a group (run in each worker)
-_hosted_store: dist.TCPStore | None = None  # worker 0's store, kept open from host_store until join
+_hosted_store: dist.TCPStore | None = None  # worker 0's store, kept open from open_store until join
 
 
-def host_store(trainer: Any, *, host: str, world_size: int, timeout_s: float) -> int:
-    """Worker 0: open the group's store on a free port of `host` (this node's address); returns the port."""
+def open_store(*, address: str, world_size: int, timeout_s: float) -> int:
+    """Worker 0: open the group's store on a free port of `address` (this node's); returns the port."""
     import torch.distributed as dist
 
     global _hosted_store
-    _hosted_store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+    _hosted_store = dist.TCPStore(address, 0, world_size, is_master=True, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
     return _hosted_store.port
 
 
-def join(trainer: Any, *, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+def join(trainer: Any, *, address: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
     """Join the agent's process group as worker `rank` (worker 0 with the store it hosts), start from worker
     0's weights, and make the trainer's learner data-parallel. `timeout_s` bounds the rendezvous and every
     collective (a dead peer fails a collective at once; a hung one after this)."""
@@ -145,7 +142,7 @@ def join(trainer: Any, *, host: str, port: int, rank: int, world_size: int, time
 
     global _hosted_store
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = _hosted_store if rank == 0 else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    store = _hosted_store if rank == 0 else dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
     _hosted_store = None
     backend = "nccl" if trainer.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
@@ -154,18 +151,4 @@ def join(trainer: Any, *, host: str, port: int, rank: int, world_size: int, time
         for model in (trainer.model, trainer.ref_model):
             for tensor in ([] if model is None else [*model.parameters(), *model.buffers()]):
                 dist.broadcast(tensor, src=0)
-    trainer.workers = DataParallel(rank, world_size, trainer.device)
-
-
-# ------------------------------------------------------------------------- merging answers (the driver)
-def merge(results: list[Any]) -> Any:
-    """One agent's answer from its workers' answers, in worker order: completions concatenated (each worker
-    decoded its share of the rows); True only if every worker said so (a storage probe); otherwise the
-    first answer that is not None (the workers agree: the same update result, or a load problem)."""
-    first = results[0]
-    if isinstance(first, GenerateResult):
-        return first.model_copy(update={"completions": [c for r in results for c in r.completions],
-                                        "seconds": max(r.seconds for r in results)})
-    if isinstance(first, bool):
-        return all(results)
-    return next((r for r in results if r is not None), None)
+    trainer.parallel = DataParallel(rank, world_size, trainer.device)

@@ -60,6 +60,7 @@ def child(kind: str, count: int, steps: int, batch: int, tokens: int, rank: int)
     """One configuration in this (fresh) process: start its agents, play the steps, measure."""
     import torch
 
+    from agent_trainer.agent import Agent
     from agent_trainer.group import LocalTrainers
     from protocols.messages import Experience, GenerateRequest, UpdateRequest
 
@@ -72,14 +73,14 @@ def child(kind: str, count: int, steps: int, batch: int, tokens: int, rank: int)
     step_seconds = []
     for step in range(steps):
         start = time.perf_counter()
-        generated = trainers.call("generate", {a: {"request": GenerateRequest(prompts=prompts, seed=step)}
-                                               for a in config.agents})
+        generated = trainers.each(Agent.generate, {a: GenerateRequest(prompts=prompts, seed=step)
+                                                   for a in config.agents})
         updates = {}
         for agent, result in generated.items():
             exps = [Experience(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, advantage=(-1.0) ** i,
                                old_per_token_logps=c.per_token_logps) for i, c in enumerate(result.completions)]
-            updates[agent] = {"request": UpdateRequest(experiences=exps)}
-        trainers.call("update", updates)
+            updates[agent] = UpdateRequest(experiences=exps)
+        trainers.each(Agent.update, updates)
         step_seconds.append(time.perf_counter() - start)
     rss, peak = bc.rss_mb(os.getpid())
     trainable = sum(p.numel() for t in trainers.trainers.values() for g in t.optimizer.param_groups for p in g["params"])

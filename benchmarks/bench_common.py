@@ -169,24 +169,25 @@ def rss_mb(pid: int) -> tuple[float, float]:
 
 
 class CallTimes:
-    """Wraps a trainer group's `call` to record, per method, the driver's wall time of each call and
+    """Wraps a trainer pool's `each` to record, per `Agent` method, the driver's wall time of each call and
     the longest trainer-side `seconds` among its results (the compute of the slowest agent).
     wall - trainer = transport, (de)serialisation and scheduling around the trainers."""
 
-    def __init__(self, trainers):
-        self.trainers, self.inner = trainers, trainers.call
+    def __init__(self, pool):
+        self.pool, self.inner = pool, pool.each
         self.wall: dict[str, float] = {}
         self.trainer: dict[str, float] = {}
         self.trainer_sum: dict[str, float] = {}
-        trainers.call = self.call
+        pool.each = self.each
 
-    def call(self, method, kwargs_by_agent, timeout=None):
+    def each(self, method, arguments, *, timeout=None):
         start = time.perf_counter()
-        results = self.inner(method, kwargs_by_agent, timeout=timeout)
-        self.wall[method] = self.wall.get(method, 0.0) + time.perf_counter() - start
+        results = self.inner(method, arguments, timeout=timeout)
+        name = method.__name__
+        self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - start
         seconds = [getattr(r, "seconds", 0.0) for r in results.values()]
-        self.trainer[method] = self.trainer.get(method, 0.0) + max(seconds, default=0.0)
-        self.trainer_sum[method] = self.trainer_sum.get(method, 0.0) + sum(seconds)
+        self.trainer[name] = self.trainer.get(name, 0.0) + max(seconds, default=0.0)
+        self.trainer_sum[name] = self.trainer_sum.get(name, 0.0) + sum(seconds)
         return results
 
     def reset(self) -> None:

@@ -14,9 +14,9 @@ first contender, scored with alternating advantages):
 
 They update in turn, the order rotating every round; each figure is the median over rounds of the
 driver's wall time of one `update` call (so the 2-worker figure includes the gradient all-reduce and the
-object-store copy of the request), and of the trainer's own `seconds`. Each round also times one gradient
-all-reduce of the whole model between the two workers alone (`all-reduce s`): what data parallelism adds
-to every pass of an update.
+object-store copy of the request), and of the trainer's own `seconds`. Afterwards two worker processes
+time one gradient all-reduce of the whole model between them alone, once per round: what data
+parallelism adds to every pass of an update.
 """
 
 import argparse
@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 from agent_trainer.actor import RayTrainers, quiet_ray_startup  # noqa: E402
+from agent_trainer.agent import Agent  # noqa: E402
 from protocols.config import validate_config  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
 
@@ -43,16 +44,42 @@ CONTENDERS = {  # agent name -> (num_workers, num_cpus per worker)
 }
 
 
-def allreduce_seconds(trainer) -> float:
-    """Seconds of one all-reduce of a whole-model gradient (zeros) among the agent's workers; run in each worker
-    (defined in __main__, so Ray ships it by value)."""
-    for p in trainer.model.parameters():
-        p.grad = torch.zeros_like(p)
-    start = time.perf_counter()
-    trainer.workers.reduce_gradients(trainer.model.parameters(), True)
-    seconds = time.perf_counter() - start
-    trainer.optimizer.zero_grad(set_to_none=True)
+def allreduce_seconds(model: str, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` all-reduces of a whole-model gradient (zeros) between two data-parallel
+    workers (`agent_trainer.workers.DataParallel`, gloo), in two processes of their own after the Ray rounds."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    ports, results = context.Queue(), context.Queue()
+    procs = [context.Process(target=_allreduce_worker, args=(rank, model, repeats, ports, results)) for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    seconds = results.get(timeout=600)
+    for proc in procs:
+        proc.join()
     return seconds
+
+
+def _allreduce_worker(rank: int, model: str, repeats: int, ports, results) -> None:
+    from agent_trainer import workers
+    from agent_trainer.models import load_model
+
+    torch.set_num_threads(1)
+    weights, _ = load_model(model, dtype="float32")
+    if rank == 0:
+        ports.put(workers.open_store(address="127.0.0.1", world_size=2, timeout_s=300))
+    port = ports.get(timeout=300) if rank == 1 else None
+    trainer = type("Worker", (), {"device": torch.device("cpu"), "model": weights, "ref_model": None})()
+    workers.join(trainer, address="127.0.0.1", port=port or 0, rank=rank, world_size=2, timeout_s=300)
+    seconds = []
+    for _ in range(repeats):
+        for p in weights.parameters():
+            p.grad = torch.zeros_like(p)
+        start = time.perf_counter()
+        trainer.parallel.reduce_gradients(weights.parameters(), True)
+        seconds.append(time.perf_counter() - start)
+    if rank == 0:
+        results.put(seconds)
 
 
 def main() -> None:
@@ -84,27 +111,25 @@ def main() -> None:
     try:
         first = names["1 worker x 1 thread"]
         prompts = [f"Write a short sentence about the number {i}." for i in range(args.batch)]
-        completions = trainers.call("generate", {first: {"request": GenerateRequest(prompts=prompts, seed=0)}})[first]
+        completions = trainers[first].generate(GenerateRequest(prompts=prompts, seed=0))
         batch = [Experience(prompt_ids=c.prompt_ids, completion_ids=c.completion_ids, advantage=(-1.0) ** i)
                  for i, c in enumerate(completions.completions)]
         tokens = sum(len(e.completion_ids) for e in batch)
-        request = {"request": UpdateRequest(experiences=batch)}
-        trainers.call("update", {name: request for name in agents})  # warm-up: first-call allocations
+        request = UpdateRequest(experiences=batch)
+        trainers.each(Agent.update, {name: request for name in agents})  # warm-up: first-call allocations
         wall = {label: [] for label in CONTENDERS}
         inside = {label: [] for label in CONTENDERS}
-        allreduce = []
         labels = list(CONTENDERS)
         for r in range(args.repeats):
             for label in labels[r % len(labels):] + labels[:r % len(labels)]:  # who goes first rotates
                 start = time.perf_counter()
-                result = trainers.call("update", {names[label]: request})[names[label]]
+                result = trainers[names[label]].update(request)
                 wall[label].append(time.perf_counter() - start)
                 inside[label].append(result.seconds)
-            pair = names["2 workers x 1 thread"]
-            allreduce.append(trainers.call(allreduce_seconds, {pair: {}})[pair])
     finally:
         trainers.close()
         ray.shutdown()
+    allreduce = allreduce_seconds(args.model, args.repeats)
     print(f"model {args.model}; {args.batch} sequences x up to {args.tokens} new tokens = {tokens} completion "
           f"tokens per update; median of {args.repeats} rounds")
     print(f"{'contender':22s} {'update s':>9s} {'tokens/s':>9s} {'trainer s':>10s} {'vs 1x1':>7s}")

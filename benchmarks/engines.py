@@ -116,7 +116,7 @@ def step_times(args) -> None:
                 start_s = time.perf_counter() - start
                 coord.run(until=1)  # warm-up, untimed
                 history = coord.run()
-                memory = [bc.rss_mb(i["pid"]) for i in coord.trainers.info().values()]
+                memory = [bc.rss_mb(i["pid"]) for i in coord.pool.info().values()]
             results[engine] = (start_s, history, memory)
             print(f"{engine}: {len(history)} steps done", flush=True)
     finally:

@@ -77,7 +77,7 @@ def main() -> None:
         round_trips = []  # Ray's fixed cost of one fan-out + gather: an empty call to every actor
         for _ in range(20):
             with bc.timed(round_trips):
-                contenders["Ray actors"].coord.trainers.info()
+                contenders["Ray actors"].coord.pool.info()
     print(f"after: {bc.load_line()}")
 
     print(f"\n{'contender':12s} {'s/step':>7s} {'vs plain':>8s} {'trainers':>9s} {'calls':>7s} {'coordinator':>11s}   "
@@ -109,7 +109,7 @@ class CoordinatorRunner:
 
     def __init__(self, coord: Coordinator, parallel: bool):
         self.coord, self.parallel = coord, parallel
-        self.calls = bc.CallTimes(coord.trainers)
+        self.calls = bc.CallTimes(coord.pool)
         self.seconds: list[float] = []
         self.parts = dict.fromkeys(("generate", "update", "trainers", "calls", "coordinator"), 0.0)
 

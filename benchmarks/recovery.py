@@ -35,7 +35,7 @@ def main() -> None:
     print(bc.machine_line())
 
     with Coordinator(config, tempfile.mkdtemp(prefix="marsi-recovery-")) as coord:
-        victim, killed = coord.trainers.info()["alice"]["pid"], {}
+        victim, killed = coord.pool.info()["alice"]["pid"], {}
 
         def kill():
             while coord.state.step < args.kill_at:

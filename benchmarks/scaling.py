@@ -68,7 +68,7 @@ def main() -> None:
                 config = bc.marsi_config(num_agents=n, model=args.model, batch_size=max(batches), group=args.group,
                                          tokens=args.tokens, lr=args.lr, steps=steps, ray=True, dataset_size=64)
                 coords[n] = stack.enter_context(Coordinator(config))
-                calls[n] = bc.CallTimes(coords[n].trainers)
+                calls[n] = bc.CallTimes(coords[n].pool)
                 coords[n].run(until=1)  # warm-up, untimed
             print(f"set-up ({sum(agent_counts)} actors): {time.perf_counter() - start:.1f} s")
             for r in range(args.repeats):
@@ -87,7 +87,7 @@ def main() -> None:
                 print(f"repeat {r + 1}/{args.repeats} done", flush=True)
             memory = {}
             for n, coord in coords.items():
-                memory[n] = [bc.rss_mb(i["pid"]) for i in coord.trainers.info().values()]
+                memory[n] = [bc.rss_mb(i["pid"]) for i in coord.pool.info().values()]
             driver = bc.rss_mb(os.getpid())
     finally:
         ray.shutdown()

@@ -112,7 +112,7 @@ def compare(model: str, args, *, steps: int, block: int, batch: int, tokens: int
     updates: list[int] = []
     start = time.perf_counter()
     with Coordinator(config) as coord:
-        calls = bc.CallTimes(coord.trainers)
+        calls = bc.CallTimes(coord.pool)
         comlrl = ComlrlRunner(path, batch=batch, group=group, tokens=tokens, lr=lr, seed=args.seed)
         print(f"   set-up (Ray, 2 actors, CoMLRL trainer): {time.perf_counter() - start:.1f} s")
 

@@ -303,7 +303,7 @@ def cmd_eval(args) -> int:
     """Evaluate checkpoints of a run (or a config's initial models); a run directory gets eval.jsonl rows."""
     from orchestrator.coordinator import Coordinator
     from orchestrator.evaluation import compare
-    from orchestrator.runlog import RunLog
+    from orchestrator.runlog import CheckpointName, RunLog
     from protocols.config import ConfigError
 
     target = Path(args.target)
@@ -325,7 +325,7 @@ def cmd_eval(args) -> int:
             if name != "initial":
                 path = _checkpoint_path(name, log)  # `last` resolves now: a run may still be adding checkpoints
                 coord.load_weights(path)
-                step = int(path.name[5:])
+                step = CheckpointName.of(path).step
             result = coord.evaluation.run(coord.generate, coord.assignment)
             results[name], labels[name] = result, name if name != "last" else f"last (step {step})"
             if log is not None:
@@ -372,15 +372,16 @@ def _checkpoint_names(which: str, log) -> list[str]:
 def _checkpoint_path(name: str, log) -> Path:
     from protocols.config import ConfigError
 
-    found = {p.name: p for p in log.checkpoints()}
+    found = log.checkpoints()  # oldest first
     if name == "last":
         if not found:
             raise ConfigError(f"{log.dir}: no complete checkpoint to evaluate")
-        return max(found.values(), key=lambda p: int(p.name[5:]))
-    if name not in found:
+        return found[-1]
+    checkpoint = log.find_checkpoint(name)
+    if checkpoint is None:
         raise ConfigError(f"{log.dir}: no checkpoint {name!r}; have initial, last, "
-                          f"{', '.join(found) or '(none)'}")
-    return found[name]
+                          f"{', '.join(p.name for p in found) or '(none)'}")
+    return checkpoint
 
 
 def _print_eval_table(results) -> None:

@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from agent_trainer import storage
-from agent_trainer.group import TrainerFailure
+from agent_trainer.agent import Agent
+from agent_trainer.handle import TrainerFailure, TrainerPool
 from agent_trainer.precision import emulation_warning
-from agent_trainer.storage import Location, StorageError
+from agent_trainer.storage import LoadRequest, Location, ProbeRequest, SaveRequest, StorageError
 from orchestrator import rollout
 from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines, zero_variance_shares
 from orchestrator.data import DataPosition, load_samples, next_batch
 from orchestrator.evaluation import Evaluation, partner_agents
 from orchestrator.runlog import (
-    Checkpoint, RunDirError, RunLog, as_checkpoint, checkpoint_problem, read_checkpoint_state,
+    Checkpoint, CheckpointName, RunDirError, RunLog, as_checkpoint, checkpoint_problem, read_checkpoint_state,
 )
 from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
 from protocols.config import ConfigError, RunConfig, load_config
@@ -77,7 +78,7 @@ class Coordinator:
         self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging, config.train.storage) if run_dir is not None else None
-        self.trainers = None
+        self.pool: TrainerPool | None = None  # every agent's handle: self.pool[agent]
         self.restored_from: Checkpoint | None = None
         self.restarts = 0
         self.stop_requested = False
@@ -98,7 +99,7 @@ class Coordinator:
     def start(self) -> None:
         """Claim the run directory, start Ray when enabled and the trainers; a started coordinator stays
         as it is. A new run writes its config here; a resumed one once its checkpoint is restored."""
-        if self.trainers is not None:
+        if self.pool is not None:
             return
         if self.log is not None:
             self.log.claim(resume=self.resuming)
@@ -109,7 +110,7 @@ class Coordinator:
 
                 self._owns_ray = init_ray(self.config.ray)
             ray_up = time.perf_counter()
-            self.trainers = self._start_trainers()
+            self.pool = self._start_trainers()
             trainers_up = time.perf_counter()
             self._with_recovery(self._check_storage_reach)
         except BaseException:
@@ -117,7 +118,7 @@ class Coordinator:
                 self.log.discard_unstarted()  # a new run that failed to start leaves no directory
             self.close()
             raise
-        info = getattr(self.trainers, "start_info", None) or self.trainers.info()
+        info = self.pool.start_info
         loads = [w.get("load_s", 0.0) for i in info.values() for w in i.get("workers", [i])]
         self.startup = {"ray_s": ray_up - began, "trainers_s": trainers_up - ray_up,
                         "model_load_s": max(loads, default=0.0), "total_s": time.perf_counter() - began}
@@ -142,7 +143,7 @@ class Coordinator:
         for machine, agents in emulated.items():
             say(emulation_warning([f"agents.{a}.dtype" for a, _ in agents], machine, max(s for _, s in agents)))
 
-    def _start_trainers(self):
+    def _start_trainers(self) -> TrainerPool:
         config = self.config
         if self.partners:  # partner trainers come last, so the agents' own seeds and indices stay as they are
             frozen = config.schedule.model_copy(update={"frozen": [*config.schedule.frozen, *self.partners]})
@@ -168,14 +169,14 @@ class Coordinator:
         where = self.log.probe_location()
         self.log.write_probe(token)
         try:
-            seen = self.trainers.call(storage.probe, {a: {"where": where, "token": token, "agent": a} for a in agents},
-                                      timeout=self.config.train.checkpoint_timeout_s)
+            seen = self.pool.each(Agent.probe, {a: ProbeRequest(where=where, token=token, agent=a) for a in agents},
+                                  timeout=self.config.train.checkpoint_timeout_s)
             blind = [a for a in agents if not (seen[a] and self.log.probe_answered(token, a))]
         finally:
             self.log.remove_probes(token, agents)
         if blind:
             agent = blind[0]
-            node = self.trainers.info()[agent].get("node_label", "its node")
+            node = self.pool.info()[agent].get("node_label", "its node")
             if isinstance(where, Location):
                 raise StorageError(
                     f"train.storage {self.log.storage} is not the same storage on {node}, which hosts agent {agent!r} (a "
@@ -188,9 +189,9 @@ class Coordinator:
                 "path on a shared filesystem), or put the run directory on a filesystem all nodes share")
 
     def close(self) -> None:
-        if self.trainers is not None:
-            self.trainers.close()
-            self.trainers = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
         if self._owns_ray:
             import ray
 
@@ -250,9 +251,9 @@ class Coordinator:
         overrides the agents' own (0: greedy); completions carry the temperature they were drawn at."""
         self._known(prompts, "generate")
         start = time.perf_counter()
-        requests = {a: {"request": GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a), temperature=temperature)}
+        requests = {a: GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a), temperature=temperature)
                     for a, p in prompts.items() if p}
-        results = self.trainers.call("generate", requests, timeout=self.config.train.call_timeout_s)
+        results = self.pool.each(Agent.generate, requests, timeout=self.config.train.call_timeout_s)
         self._seconds["generate"] += time.perf_counter() - start
         return {a: r.completions for a, r in results.items()}
 
@@ -263,13 +264,13 @@ class Coordinator:
         for agent, exps in experiences.items():
             check_experiences(agent, exps)
         start = time.perf_counter()
-        requests = {a: {"request": UpdateRequest(experiences=e)} for a, e in experiences.items() if e}
-        results = self.trainers.call("update", requests, timeout=self.config.train.call_timeout_s)
+        requests = {a: UpdateRequest(experiences=e) for a, e in experiences.items() if e}
+        results = self.pool.each(Agent.update, requests, timeout=self.config.train.call_timeout_s)
         self._seconds["update"] += time.perf_counter() - start
         for agent, result in results.items():
             if result.skipped_steps:
                 self.warn_once(agent, "nonfinite", f"agent {agent!r}: an update's loss or gradient was not finite at "
-                               f"update {result.step}; that optimizer step was skipped (counted in skipped_steps/{agent})")
+                               f"update {result.policy_version}; that optimizer step was skipped (counted in skipped_steps/{agent})")
         return results
 
     def warn_once(self, agent: str, kind: str, message: str) -> None:
@@ -291,7 +292,7 @@ class Coordinator:
         if self.log is None:
             raise ConfigError("checkpoint(): this coordinator has no run directory; give Coordinator(config, run_dir)")
         latest = self.log.latest_checkpoint()
-        done = int(latest.name[5:]) if latest is not None else -1
+        done = CheckpointName.of(latest).step if latest is not None else -1
         if step is None and self.state.step == done:
             raise ConfigError(f"checkpoint(): {latest.name} exists; pass the step your loop reached: "
                               "checkpoint(step=N)")
@@ -311,12 +312,12 @@ class Coordinator:
         once every reported file is there, with all of them in its manifest."""
         staging = self.log.staging_path(self.state.step)
         try:
-            stored = self.trainers.call(storage.save, {a: {"target": staging / "agents" / a} for a in self.config.agents},
-                                        timeout=self.config.train.checkpoint_timeout_s)
+            places = self.log.agent_places(staging, list(self.config.agents))
+            stored = self.pool.each(Agent.save, {a: SaveRequest(target=place) for a, place in places.items()},
+                                    timeout=self.config.train.checkpoint_timeout_s)
             files = {f"agents/{a}/{name}": (digest, report.sizes[name])
                      for a, report in stored.items() for name, digest in report.files.items()}
-            state = {**asdict(self.state), "schedule_phase": self.schedule.phase(self.state.step)}
-            return self.log.commit_checkpoint(staging, self.state.step, state, self.config.train.keep_checkpoints,
+            return self.log.commit_checkpoint(staging, self.state.step, asdict(self.state), self.config.train.keep_checkpoints,
                                               files=files)
         except BaseException as exc:
             full = self.log.disk_full(exc)
@@ -335,9 +336,9 @@ class Coordinator:
                 agent, _, rest = name.removeprefix("agents/").partition("/")
                 if name.startswith("agents/") and agent in files:
                     files[agent][rest] = digest
-        kwargs = {a: {"source": checkpoint / "agents" / a, **({"files": files[a]} if isinstance(checkpoint, Location) else {})}
-                  for a in self.config.agents}
-        problems = self.trainers.call(storage.load, kwargs, timeout=self.config.train.checkpoint_timeout_s)
+        requests = {a: LoadRequest(source=checkpoint / "agents" / a, files=files[a] if isinstance(checkpoint, Location) else None)
+                    for a in self.config.agents}
+        problems = self.pool.each(Agent.load, requests, timeout=self.config.train.checkpoint_timeout_s)
         return next((f"agents/{a}/{p}" for a, p in problems.items() if p), None)
 
     def restore(self, path: str | Path | Location | None = None) -> Checkpoint:
@@ -381,8 +382,8 @@ class Coordinator:
             say(f"{failure}; restarting the trainers from {last.name if last else 'their initial weights'} "
                 f"(restart {self.restarts} of {limit})")
             try:
-                self.trainers.close()
-                self.trainers = self._start_trainers()
+                self.pool.close()
+                self.pool = self._start_trainers()
                 self._check_storage_reach()  # restarted trainers may sit on other nodes
                 if last is not None:
                     self.restore()
@@ -396,8 +397,7 @@ class Coordinator:
 
     def parameters_digests(self, agents: list[str] | None = None) -> dict[str, str]:
         """SHA-256 of each agent's weights (every agent by default; partner trainers by name)."""
-        return self.trainers.call("parameters_digest", {a: {} for a in agents or self.config.agents},
-                                  timeout=self.config.train.call_timeout_s)
+        return self.pool.ask(Agent.digest, agents or self.config.agents, timeout=self.config.train.call_timeout_s)
 
     def load_weights(self, checkpoint: str | Path | Location) -> None:
         """Load every agent's weights from an intact checkpoint, leaving the coordinator's own state as it is."""
@@ -584,7 +584,6 @@ def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, 
         for name in ("loss", "kl", "grad_norm", "entropy", "clip_fraction", "lr", "skipped_steps"):
             metrics[f"{name}/{agent}"] = getattr(r, name)
         if r.logp_mismatch is not None:
-            metrics[f"logp_mismatch/{agent}"] = r.logp_mismatch
             metrics[f"rollout/logp_gap/{agent}"] = r.logp_mismatch
             metrics[f"rollout/logp_gap_max/{agent}"] = r.logp_gap_max
         if r.tis_weight is not None:

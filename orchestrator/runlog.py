@@ -30,8 +30,9 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 import yaml
 
@@ -45,6 +46,35 @@ Checkpoint = Path | Location
 CHECKPOINT_DONE = "coordinator.json"  # written last: a checkpoint without it is incomplete
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 _STATE_KEYS = ("step", "episodes", "data", "baselines", "manifest")
+
+
+@dataclass(frozen=True, order=True)
+class CheckpointName:
+    """The name of the checkpoint of a step: `step-000015` for step 15, as written; `step-15` names it too
+    wherever a user names a checkpoint (`parse`)."""
+
+    step: int
+
+    PREFIX: ClassVar[str] = "step-"
+
+    @classmethod
+    def parse(cls, name: str) -> CheckpointName | None:
+        """The checkpoint `name` (`step-N`, N of any width) names, or None if it names none."""
+        digits = name.removeprefix(cls.PREFIX)
+        if digits == name or not digits.isdigit():
+            return None
+        return cls(int(digits))
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint) -> CheckpointName:
+        """The name of a checkpoint directory (one `RunLog.checkpoints` lists)."""
+        name = cls.parse(checkpoint.name)
+        if name is None:
+            raise ValueError(f"{checkpoint}: not a checkpoint directory (its name is not {cls.PREFIX}N)")
+        return name
+
+    def __str__(self) -> str:
+        return f"{self.PREFIX}{self.step:06d}"
 
 
 class RunDirError(UserError, RuntimeError):
@@ -254,13 +284,22 @@ class RunLog:
         checkpoint's own place in storage, emptied (its commit record first)."""
         root = self.checkpoint_dir()
         if isinstance(root, Location):
-            place = root / f"step-{step:06d}"
+            place = root / str(CheckpointName(step))
             storage.delete(place, first=CHECKPOINT_DONE)
             return place
-        path = root / f".tmp-step-{step:06d}"
+        path = root / f".tmp-{CheckpointName(step)}"
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
         return path
+
+    def agent_places(self, staging: Checkpoint, agents: list[str]) -> dict[str, Checkpoint]:
+        """Where each agent's trainer writes its files of the checkpoint being written at `staging`; made here
+        in the run directory (a trainer that does not see it is on a node that does not share the directory)."""
+        places = {agent: staging / "agents" / agent for agent in agents}
+        for place in places.values():
+            if isinstance(place, Path):
+                place.mkdir(parents=True, exist_ok=True)
+        return places
 
     def abort_checkpoint(self, staging: Checkpoint) -> None:
         """Remove a checkpoint that will not be committed (it only takes space)."""
@@ -285,7 +324,7 @@ class RunLog:
             found = present.get(name) if present is not None else _size(staging / name)
             if found != size:
                 where = "is not there" if found is None else f"is {found} bytes there, not {size}"
-                raise StorageError(f"checkpoint step-{step:06d}: {name}, which its trainer reported writing ({size} bytes), "
+                raise StorageError(f"checkpoint {CheckpointName(step)}: {name}, which its trainer reported writing ({size} bytes), "
                                    f"{where} as this coordinator sees {staging}; every node must reach the same "
                                    "checkpoint storage (train.storage)")
         record = {**state, "manifest": {name: digest for name, (digest, _) in files.items()},
@@ -296,7 +335,7 @@ class RunLog:
             final = staging
         else:
             (staging / CHECKPOINT_DONE).write_text(text)
-            final = self.checkpoint_dir() / f"step-{step:06d}"
+            final = self.checkpoint_dir() / str(CheckpointName(step))
             shutil.rmtree(final, ignore_errors=True)
             staging.rename(final)
         for old in self.checkpoints()[:-keep]:
@@ -321,14 +360,19 @@ class RunLog:
         """Complete checkpoints, oldest first (by step number, not by name)."""
         root = self.checkpoint_dir()
         if isinstance(root, Location):
-            found = [root / name for name in storage.subdirectories(root)
-                     if name.startswith("step-") and name[5:].isdigit()]
+            found = [root / name for name in storage.subdirectories(root) if CheckpointName.parse(name)]
             found = [c for c in found if storage.exists(c / CHECKPOINT_DONE)]
         else:
             if not root.exists():
                 return []
-            found = [p for p in root.glob("step-*") if p.name[5:].isdigit() and (p / CHECKPOINT_DONE).exists()]
-        return sorted(found, key=lambda p: int(p.name[5:]))
+            found = [p for p in root.glob(f"{CheckpointName.PREFIX}*")
+                     if CheckpointName.parse(p.name) and (p / CHECKPOINT_DONE).exists()]
+        return sorted(found, key=CheckpointName.of)
+
+    def find_checkpoint(self, name: str) -> Checkpoint | None:
+        """The complete checkpoint a user names (`step-000015` or `step-15`), or None."""
+        wanted = CheckpointName.parse(name)
+        return next((c for c in self.checkpoints() if CheckpointName.of(c) == wanted), None) if wanted else None
 
     def latest_checkpoint(self) -> Checkpoint | None:
         found = self.checkpoints()

@@ -29,15 +29,6 @@ class Schedule:
         pattern = self.config.pattern
         return [a for a in pattern[step % len(pattern)] if a in self.trainable]
 
-    def phase(self, step: int) -> dict:
-        """Where the schedule stands at `step` (recorded in checkpoints)."""
-        if self.config.kind in ("alternate", "round_robin") and self.order:
-            turn = step // self.config.period
-            return {"index": turn % len(self.order), "steps_into_turn": step % self.config.period}
-        if self.config.kind == "pattern":
-            return {"index": step % len(self.config.pattern)}
-        return {"index": 0}
-
     def updates(self, agent: str, steps: int) -> int:
         """Updates `agent` makes in the first `steps` steps."""
         return sum(agent in self.training_agents(k) for k in range(steps))

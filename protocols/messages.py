@@ -58,6 +58,12 @@ class GenerateResult(_Message):
     completions: list[Completion]
     seconds: float
 
+    @classmethod
+    def concat(cls, shares: list[GenerateResult]) -> GenerateResult:
+        """One result of workers' shares of the rows, in worker order; the slowest worker's seconds."""
+        return shares[0].model_copy(update={"completions": [c for r in shares for c in r.completions],
+                                            "seconds": max(r.seconds for r in shares)})
+
 
 class Experience(_Message):
     prompt_ids: list[int]
@@ -111,8 +117,8 @@ class UpdateRequest(_Message):
 
 class UpdateResult(_Message):
     agent: str
-    step: int
-    """The agent's update count after this update."""
+    policy_version: int
+    """The agent's update count after this update: the version of the weights it leaves."""
     loss: float
     """Mean over the `num_iterations` passes."""
     grad_norm: float
@@ -144,7 +150,23 @@ class UpdateResult(_Message):
 class CheckpointInfo(_Message):
     agent: str
     path: str
-    step: int
+    policy_version: int
+    """The agent's update count in the checkpoint."""
+
+
+class ScoreRequest(_Message):
+    experiences: list[Experience]
+    """Completions to score: their prompt and completion tokens (advantages are not used)."""
+    engine: bool = False
+    """Score with the rollout engine instead of the learner's model."""
+
+
+class WeightDigests(_Message):
+    """SHA-256 of an agent's weights, in two parts: the base model and its own adapter ("" for a full-model
+    agent, whose weights are all `base`)."""
+
+    base: str
+    adapter: str
 
 
 class StoredFiles(_Message):

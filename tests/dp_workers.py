@@ -36,20 +36,20 @@ def worker(rank, ports, batch, results):
     torch.set_num_threads(1)
     trainer = make_trainer()
     if rank == 0:
-        port = workers.host_store(trainer, host="127.0.0.1", world_size=2, timeout_s=120)
+        port = workers.open_store(address="127.0.0.1", world_size=2, timeout_s=120)
         ports.put(port)
     else:
         port = ports.get(timeout=120)
-    workers.join(trainer, host="127.0.0.1", port=port, rank=rank, world_size=2, timeout_s=120)
+    workers.join(trainer, address="127.0.0.1", port=port, rank=rank, world_size=2, timeout_s=120)
     completions = trainer.generate(REQUEST).completions
     updates = []
     for variant in VARIANTS:
         learner = make_trainer(*variant)
-        learner.workers = workers.DataParallel(rank, 2, learner.device)
+        learner.parallel = workers.DataParallel(rank, 2, learner.device)
         result = learner.update(UpdateRequest(experiences=batch))
         updates.append(({n: p.detach().numpy().copy() for n, p in learner.model.named_parameters()}, result))
     learner = make_trainer()  # last: worker 1 alone computes a non-finite loss (its weights are NaN)
-    learner.workers = workers.DataParallel(rank, 2, learner.device)
+    learner.parallel = workers.DataParallel(rank, 2, learner.device)
     if rank == 1:
         with torch.no_grad():
             learner.model.get_input_embeddings().weight.fill_(float("nan"))
@@ -58,10 +58,11 @@ def worker(rank, ports, batch, results):
     results.put((rank, completions, updates))
 
 
-def die_in_a_collective(trainer) -> None:
-    """Worker 1 exits at once; worker 0 meanwhile waits in a gradient all-reduce, which its death fails."""
+def die_in_a_collective(pool) -> None:
+    """Agent 'a''s worker 1 is killed, then 'a' updates: worker 0's gradient all-reduce fails on its dead peer."""
     import os
+    import signal
 
-    if trainer.workers.rank == 1:
-        os._exit(1)
-    trainer.workers.reduce_gradients(trainer.model.parameters(), True)
+    os.kill(pool.info()["a"]["workers"][1]["pid"], signal.SIGKILL)
+    batch = [Experience(prompt_ids=[10, 20, 30], completion_ids=[40, 50], advantage=a) for a in (1.0, -1.0)]
+    pool["a"].update(UpdateRequest(experiences=batch))

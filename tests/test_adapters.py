@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent_trainer import adapters
-from agent_trainer.group import invoke
+from agent_trainer.adapters import AdapterTrainer
+from agent_trainer.agent import Agent
 from agent_trainer.models import resolve_model_path
-from agent_trainer.trainer import AgentTrainer
+from agent_trainer.storage import LoadRequest
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunLog
 from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, validate_config
-from protocols.messages import Experience, UpdateRequest
+from protocols.messages import Experience, ScoreRequest, UpdateRequest
 from tests.loops import say_the_letter_curve
 from tests.envs import HERE, config
 from tests.runs import rows, without_times, run_killing
@@ -39,7 +39,7 @@ def shared_host_config(**sections) -> dict:
 
 
 def digests(coord) -> dict[str, dict[str, str]]:
-    return coord.trainers.call(adapters.weight_digests, {a: {} for a in AGENTS})
+    return {a: d.model_dump() for a, d in coord.pool.ask(Agent.weight_digests, AGENTS).items()}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def reference(tmp_path_factory):
     raw = shared_host_config(train={"steps": STEPS, "checkpoint_every": 1, "keep_checkpoints": 5})
     steps = []
     with Coordinator(validate_config(raw), run_dir) as coord:
-        trainers = coord.trainers.trainers
+        trainers = coord.pool.trainers
         assert trainers["a"].model is trainers["b"].model is trainers["c"].model  # one copy of the base
         steps.append(digests(coord))
         for step in range(1, STEPS + 1):
@@ -86,11 +86,11 @@ def test_checkpoint_holds_adapters_only_loads_with_peft_and_exports_a_merged_mod
     assert (saved / "adapter" / "adapter_model.safetensors").stat().st_size < base_bytes / 10
     assert (checkpoint / "agents" / "c" / "source.json").exists()
     config = validate_config(shared_host_config())
-    trainer = AgentTrainer("a", config.agents["a"], config.algorithm)
-    invoke(trainer, "load", {"path": saved})
+    trainer = Agent(AdapterTrainer("a", config.agents["a"], config.algorithm))
+    assert trainer.load(LoadRequest(source=saved)) is None
     prompts, completions = [[10, 20, 30], [40, 50]], [[60, 70], [80]]
     experiences = [Experience(prompt_ids=p, completion_ids=c, advantage=0.0) for p, c in zip(prompts, completions)]
-    trained = flat(invoke(trainer, "score", {"experiences": experiences}))
+    trained = flat(trainer.score(ScoreRequest(experiences=experiences)))
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny"))
     untrained = flat(model_logps(base, prompts, completions, "cpu"))
     assert max(abs(x - y) for x, y in zip(trained, untrained)) > 1e-4  # the adapter moved the agent off its base
@@ -115,15 +115,15 @@ def test_a_frozen_agent_on_the_host_can_play_a_saved_adapter(reference):
     raw["agents"]["c"]["adapter"] = {"path": str(saved / "adapter")}
     config = validate_config(raw)
     host = Host("h", config, {a: 1 for a in AGENTS})
-    trained = AgentTrainer("a", validate_config(shared_host_config()).agents["a"], config.algorithm)
-    invoke(trained, "load", {"path": saved})
+    trained = Agent(AdapterTrainer("a", validate_config(shared_host_config()).agents["a"], config.algorithm))
+    trained.load(LoadRequest(source=saved))
     experiences = [Experience(prompt_ids=[10, 20, 30], completion_ids=[60, 70], advantage=0.0)]
-    judge = flat(host.call("c", "score", {"experiences": experiences}))
-    assert judge == pytest.approx(flat(invoke(trained, "score", {"experiences": experiences})), abs=1e-6)
-    assert flat(host.call("a", "score", {"experiences": experiences})) != judge  # a starts afresh on the base
+    judge = flat(host.call("c", Agent.score, ScoreRequest(experiences=experiences)))
+    assert judge == pytest.approx(flat(trained.score(ScoreRequest(experiences=experiences))), abs=1e-6)
+    assert flat(host.call("a", Agent.score, ScoreRequest(experiences=experiences))) != judge  # a starts afresh on the base
     assert host.trainers["c"].model is host.trainers["a"].model
     with pytest.raises(ValueError, match="agent 'c' is frozen"):
-        host.call("c", "update", {"request": UpdateRequest(experiences=experiences)})
+        host.call("c", Agent.update, UpdateRequest(experiences=experiences))
 
 
 def cmd_export(run_dir, agent, out):
@@ -142,12 +142,12 @@ def test_killed_host_restarts_once_with_all_its_agents_and_resumes_exactly(ray_c
     raw = shared_host_config(train={"steps": STEPS, "checkpoint_every": 1, "keep_checkpoints": 5})
     raw["ray"]["enabled"] = True
     with Coordinator(validate_config(raw), tmp_path) as coord:
-        pids = {a: i["pid"] for a, i in coord.trainers.info().items()}
+        pids = {a: i["pid"] for a, i in coord.pool.info().items()}
         assert len(set(pids.values())) == 1 and sorted(pids) == list(AGENTS)  # one process for the three
 
         run_killing(coord, pids["a"], at_step=2)
         assert coord.restarts == 1
-        after = {a: i["pid"] for a, i in coord.trainers.info().items()}
+        after = {a: i["pid"] for a, i in coord.pool.info().items()}
         assert len(set(after.values())) == 1 and after["a"] != pids["a"]
     assert without_times(rows(tmp_path)) == reference[2]
 
@@ -160,9 +160,8 @@ def test_an_adapter_agent_learns_to_say_the_named_letter():
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
     agent = AgentConfig(model="builtin:tiny", generation={"max_completion_length": 2}, optimizer={"lr": 1e-2},
                         adapter={"rank": 8, "alpha": 16, "target_modules": targets})
-    trainer = AgentTrainer("a", agent, AlgorithmConfig())
-    curve = say_the_letter_curve(lambda r: invoke(trainer, "generate", {"request": r}),
-                                 lambda r: invoke(trainer, "update", {"request": r}), 40)
+    trainer = Agent(AdapterTrainer("a", agent, AlgorithmConfig()))
+    curve = say_the_letter_curve(trainer.generate, trainer.update, 40)
     assert sum(curve[:10]) / 10 < 0.05 and sum(curve[-10:]) / 10 > 0.15
 
 

@@ -66,7 +66,7 @@ def test_run_writes_a_complete_run_directory_and_resume_continues_it(tmp_path):
     ckpt = run / "checkpoints" / "step-000002"
     assert (ckpt / "agents" / "a" / "model" / "config.json").exists()
     state = json.loads((ckpt / "coordinator.json").read_text())
-    assert state["step"] == 2 and state["data"] == {"epoch": 0, "index": 4} and "schedule_phase" in state
+    assert state["step"] == 2 and state["data"] == {"epoch": 0, "index": 4} and "schedule_phase" not in state
 
     out = marsi("resume", run, "train.steps=3", env=RAY_DEFAULTS)
     assert out.returncode == 0, out.stderr
@@ -209,7 +209,7 @@ def test_export_writes_a_full_model_agents_weights_at_the_last_checkpoint_and_it
     A later checkpoint holds the trained weights; export writes exactly those, with their tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agent_trainer.adapters import digest
+    from agent_trainer.trainer import weights_digest
     from orchestrator.coordinator import Coordinator
     from protocols.config import validate_config
 
@@ -221,9 +221,27 @@ def test_export_writes_a_full_model_agents_weights_at_the_last_checkpoint_and_it
         coord.run()
         trained = coord.parameters_digests()["a"]
     assert initial != trained
-    for checkpoint, expected in (("step-000000", initial), ("last", trained)):
+    for checkpoint, expected in (("step-000000", initial), ("last", trained), ("step-2", trained)):
         out = tmp_path / checkpoint
         assert main(["export", str(tmp_path / "run"), "--agent", "a", "--out", str(out), "--checkpoint", checkpoint]) == 0
-        assert digest(dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())) == expected
+        assert weights_digest(dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())) == expected
         assert AutoTokenizer.from_pretrained(out).encode("Say a") == AutoTokenizer.from_pretrained(
             tmp_path / "run" / "checkpoints" / "step-000002" / "agents" / "a" / "model").encode("Say a")
+
+
+def test_checkpoint_names_parse_and_format_in_one_place(tmp_path):
+    """`step-000015` is written; `step-15` (any width) names the same checkpoint; anything else names none."""
+    from orchestrator.runlog import CheckpointName, RunLog
+
+    assert str(CheckpointName(15)) == "step-000015" and str(CheckpointName(1234567)) == "step-1234567"
+    assert CheckpointName.parse("step-15") == CheckpointName.parse("step-000015") == CheckpointName(15)
+    assert [CheckpointName.parse(n) for n in ("step-", "step-x1", "15", ".tmp-step-000015", "step--1")] == [None] * 5
+    assert sorted(map(CheckpointName, (10, 9, 100))) == [CheckpointName(9), CheckpointName(10), CheckpointName(100)]
+    log = RunLog(tmp_path)
+    for step in (9, 10):
+        (log.checkpoint_dir() / str(CheckpointName(step))).mkdir(parents=True)
+        (log.checkpoint_dir() / str(CheckpointName(step)) / "coordinator.json").write_text("{}")
+    (log.checkpoint_dir() / "step-000011").mkdir()  # no coordinator.json: incomplete, never named
+    assert [c.name for c in log.checkpoints()] == ["step-000009", "step-000010"]
+    assert log.find_checkpoint("step-10").name == "step-000010" and log.find_checkpoint("step-000009").name == "step-000009"
+    assert log.find_checkpoint("step-11") is None and log.find_checkpoint("last") is None

@@ -51,7 +51,7 @@ def test_each_agent_is_its_own_process_on_its_own_gpu(ray_cluster):
     for agent in raw["agents"].values():
         agent["resources"] = {"num_cpus": 0.5, "num_gpus": 1}
     with Coordinator(validate_config(raw)) as coord:
-        info = coord.trainers.info()
+        info = coord.pool.info()
         history = coord.run()
     pids = {i["pid"] for i in info.values()}
     assert len(pids) == 2 and os.getpid() not in pids

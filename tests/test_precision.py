@@ -76,14 +76,14 @@ def test_the_trainer_resolves_auto_on_its_own_device_and_its_model_follows(tmp_p
 
 
 def test_the_vllm_engine_gets_the_resolved_dtype_unless_it_names_its_own(monkeypatch):
-    from agent_trainer import engine_vllm, engines
+    from agent_trainer import engine_kinds, engine_vllm
 
     made = []
     monkeypatch.setattr(engine_vllm, "VLLMEngine", lambda **kwargs: made.append(kwargs["dtype"]))
     for vllm in ({}, {"dtype": "float32"}):
         agent = AgentConfig(model=MODEL, rollout={"engine": "vllm", "vllm": vllm})
         resolved = agent.model_copy(update={"dtype": resolve(agent.dtype, ZEN4, model=MODEL)[0]})  # as the trainer
-        engines.make_engine(resolved, None, model_path=MODEL, tokenizer_path=MODEL, stop_ids=[], pad_id=0,
+        engine_kinds.make_engine(resolved, None, model_path=MODEL, tokenizer_path=MODEL, stop_ids=[], pad_id=0,
                             device=torch.device("cpu"), seed=0, autocast=None)
     assert made == ["bfloat16", "float32"]
 

@@ -31,11 +31,11 @@ def test_killed_trainer_is_restarted_and_the_run_ends_as_if_uninterrupted(ray_cl
     raw = raw_config()
     raw["ray"]["enabled"] = True
     with Coordinator(validate_config(raw), tmp_path) as coord:
-        victim = coord.trainers.info()["b"]["pid"]
+        victim = coord.pool.info()["b"]["pid"]
 
         run_killing(coord, victim, at_step=2)
         assert coord.restarts == 1
-        assert coord.trainers.info()["b"]["pid"] != victim
+        assert coord.pool.info()["b"]["pid"] != victim
     metrics = rows(tmp_path)
     assert without_times(metrics) == uninterrupted
     assert any("time/recovery" in m for m in metrics)

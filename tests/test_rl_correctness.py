@@ -411,7 +411,7 @@ def test_no_checkpoint_is_written_from_non_finite_weights(tmp_path):
     with Coordinator(validate_config(raw), tmp_path) as coord:
         coord.run()
         good = coord.log.latest_checkpoint()
-        coord.trainers.trainers["a"].model.lm_head.weight.data[0, 0] = float("nan")
+        coord.pool.trainers["a"].model.lm_head.weight.data[0, 0] = float("nan")
         with pytest.raises(Exception, match=r"agent 'a'.*not finite"):
             coord.checkpoint(step=2)
         assert coord.log.latest_checkpoint() == good
@@ -424,9 +424,9 @@ def test_resume_as_a_context_manager_keeps_the_restored_trainers(tmp_path):
         coord.run()
         trained = coord.parameters_digests()
     resumed = Coordinator.resume(tmp_path)
-    trainers = resumed.trainers
+    trainers = resumed.pool
     with resumed as coord:
-        assert coord.trainers is trainers
+        assert coord.pool is trainers
         assert coord.parameters_digests() == trained
         assert coord.state.step == 2
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_trainer.group import TrainerFailure
+from agent_trainer.handle import TrainerFailure
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, make_run_dir
 from protocols.config import validate_config
@@ -252,7 +252,7 @@ def ray_coordinator(ray_cluster, tmp_path):
 
 def test_a_trainer_stopped_during_save_is_a_hung_trainer(ray_coordinator):
     coord = ray_coordinator
-    pid = coord.trainers.info()["b"]["pid"]
+    pid = coord.pool.info()["b"]["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
         with pytest.raises(TrainerFailure, match=r"agent 'b': save failed: no answer within 3s \(hung\)") as caught:
@@ -265,7 +265,7 @@ def test_a_trainer_stopped_during_save_is_a_hung_trainer(ray_coordinator):
 
 def test_a_fault_while_restoring_spends_a_restart_and_is_not_damage(ray_coordinator, capfd):
     coord = ray_coordinator
-    pid = coord.trainers.info()["a"]["pid"]
+    pid = coord.pool.info()["a"]["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
         with pytest.raises(TrainerFailure, match=r"agent 'a': load failed: no answer within 3s \(hung\)") as caught:
@@ -284,7 +284,7 @@ def test_a_trainer_killed_before_the_first_checkpoint_is_restarted(ray_cluster, 
         coord.run()
     raw = config(ray=True, train={"steps": 2})
     with Coordinator(validate_config(raw), tmp_path / "run") as coord:
-        os.kill(coord.trainers.info()["b"]["pid"], signal.SIGKILL)  # dies before the step-0 save
+        os.kill(coord.pool.info()["b"]["pid"], signal.SIGKILL)  # dies before the step-0 save
         coord.run()
         assert coord.restarts == 1
     assert without_times(rows(tmp_path / "run")) == without_times(rows(reference))
@@ -301,14 +301,14 @@ def test_a_trainer_killed_during_the_resume_probe_is_restarted(ray_cluster, tmp_
 
     def kill_then_probe(coord):  # the trainer dies as the coordinator sends it the storage probe
         if not killed:
-            killed.append(coord.trainers.info()["b"]["pid"])
+            killed.append(coord.pool.info()["b"]["pid"])
             os.kill(killed[0], signal.SIGKILL)
         probe(coord)
 
     monkeypatch.setattr(Coordinator, "_check_storage_reach", kill_then_probe)
     with Coordinator.resume(tmp_path / "run", ["train.steps=3"]) as coord:
         assert coord.restarts == 1 and coord.state.step == 1
-        assert killed[0] not in {i["pid"] for i in coord.trainers.info().values()}
+        assert killed[0] not in {i["pid"] for i in coord.pool.info().values()}
         coord.run()
     assert without_times(rows(tmp_path / "run")) == without_times(rows(tmp_path / "whole"))
 

@@ -73,7 +73,7 @@ def test_one_update_changes_every_parameter_and_returns_finite_metrics(batch):
     assert unchanged == []
     for field in ("loss", "grad_norm", "kl", "entropy", "clip_fraction", "lr"):
         assert math.isfinite(getattr(metrics, field)), field
-    assert metrics.grad_norm > 0 and metrics.entropy > 0 and metrics.step == 1
+    assert metrics.grad_norm > 0 and metrics.entropy > 0 and metrics.policy_version == 1
     assert metrics.num_tokens == sum(len(c.completion_ids) for c in result.completions)
     assert trainer.ref_model is not None and all(torch.equal(before[n], p) for n, p in
                                                  trainer.ref_model.named_parameters())
@@ -105,7 +105,7 @@ def test_save_then_load_reproduces_logps_exactly(batch, tmp_path):
     info = trainer.save(tmp_path / "ckpt")
     fresh = make_trainer(seed=123, lr=1e-2)
     assert fresh.per_token_logps(exps) != trainer.per_token_logps(exps)
-    assert fresh.load(info.path).step == 1
+    assert fresh.load(info.path).policy_version == 1
     assert fresh.per_token_logps(exps) == trainer.per_token_logps(exps)
     assert fresh.parameters_digest() == trainer.parameters_digest()
     # the optimizer state came along: the next update is identical too
@@ -152,12 +152,12 @@ def test_a_checkpoint_before_any_update_names_the_model_and_restores_exactly(bat
     assert (tmp_path / "ckpt" / "trainer_state.pt").stat().st_size < 100_000
     trainer.update(UpdateRequest(experiences=exps))
     assert trainer.parameters_digest() != initial
-    assert trainer.load(tmp_path / "ckpt").step == 0
+    assert trainer.load(tmp_path / "ckpt").policy_version == 0
     assert trainer.parameters_digest() == initial and trainer.per_token_logps(exps) == make_trainer().per_token_logps(exps)
     fresh = make_trainer(lr=1e-2)
     trainer.update(UpdateRequest(experiences=exps))
     fresh.update(UpdateRequest(experiences=exps))
-    assert trainer.parameters_digest() == fresh.parameters_digest() and trainer.step == fresh.step == 1
+    assert trainer.parameters_digest() == fresh.parameters_digest() and trainer.policy_version == fresh.policy_version == 1
 
 
 def test_plain_loop_learns_to_say_the_named_letter():

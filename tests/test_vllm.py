@@ -17,11 +17,12 @@ import torch
 
 pytest.importorskip("vllm", reason="the vllm extra is not installed (make setup installs it)")
 
+from agent_trainer.agent import Agent  # noqa: E402
 from agent_trainer.trainer import AgentTrainer  # noqa: E402
 from tests.loops import say_the_letter_curve  # noqa: E402
 from orchestrator.coordinator import Coordinator  # noqa: E402
 from protocols.config import AgentConfig, AlgorithmConfig, RolloutConfig, validate_config  # noqa: E402
-from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
+from protocols.messages import Experience, GenerateRequest, ScoreRequest, UpdateRequest  # noqa: E402
 from tests.envs import config  # noqa: E402
 
 VLLM = {"engine": "vllm", "vllm": {"kv_cache_gb": 0.0625, "max_num_seqs": 64}}
@@ -183,10 +184,10 @@ def self_play_config(**train):
 def parity(coord) -> dict[str, float]:
     """Per agent: the largest |engine - learner| log-prob on a fixed sequence."""
     ids = list(b"Say a")
-    fixed = {a: {"experiences": [Experience(prompt_ids=ids, completion_ids=list(b"abc d"), advantage=0.0)]}
-             for a in coord.config.agents}
-    learner = coord.trainers.call("score", fixed)
-    engine = coord.trainers.call("score", {a: {**kw, "engine": True} for a, kw in fixed.items()})
+    experiences = [Experience(prompt_ids=ids, completion_ids=list(b"abc d"), advantage=0.0)]
+    fixed = dict.fromkeys(coord.config.agents, ScoreRequest(experiences=experiences))
+    learner = coord.pool.each(Agent.score, fixed)
+    engine = coord.pool.each(Agent.score, dict.fromkeys(fixed, ScoreRequest(experiences=experiences, engine=True)))
     return {a: gap(engine[a], learner[a]) for a in fixed}
 
 
@@ -209,7 +210,7 @@ def test_self_play_and_a_frozen_agent_sync_after_every_update_and_survive_a_kill
     raw = self_play_config()
     raw["ray"]["enabled"] = True
     with Coordinator(validate_config(raw), tmp_path) as coord:
-        assert {i["engine"] for i in coord.trainers.info().values()} == {"vllm"}
+        assert {i["engine"] for i in coord.pool.info().values()} == {"vllm"}
         assert max(parity(coord).values()) < PARITY
         for step in (1, 2):
             before = coord.parameters_digests()
@@ -217,10 +218,10 @@ def test_self_play_and_a_frozen_agent_sync_after_every_update_and_survive_a_kill
             after = coord.parameters_digests()
             assert after["solo"] != before["solo"] and after["judge"] == before["judge"]
             assert max(parity(coord).values()) < PARITY, step
-        victim = coord.trainers.info()["solo"]["pid"]
+        victim = coord.pool.info()["solo"]["pid"]
         os.kill(victim, signal.SIGKILL)
         coord.run(until=3)  # generate fails, every trainer restarts and restores step 2, step 3 runs
-        assert coord.restarts == 1 and coord.trainers.info()["solo"]["pid"] != victim
+        assert coord.restarts == 1 and coord.pool.info()["solo"]["pid"] != victim
         assert max(parity(coord).values()) < PARITY
     assert rows(tmp_path) == reference[:3]  # with Ray, killed and restored: the in-process run's metrics
     with Coordinator.resume(tmp_path) as coord:  # resume from the step-3 checkpoint: fresh engines

@@ -11,7 +11,8 @@ import torch
 import torch.multiprocessing as mp
 
 from agent_trainer import workers
-from agent_trainer.group import TrainerFailure, placement_problem
+from agent_trainer.group import placement_problem
+from agent_trainer.handle import TrainerFailure
 from orchestrator.coordinator import Coordinator
 from protocols.config import ConfigError, validate_config
 from protocols.messages import UpdateRequest
@@ -117,17 +118,17 @@ def one_worker_each(tmp_path_factory):
 def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_one(ray_cluster, tmp_path,
                                                                                    one_worker_each):
     with Coordinator(validate_config(raw_config(workers_a=2, ray=True)), tmp_path) as coord:
-        group = coord.trainers.info()["a"]["workers"]
+        group = coord.pool.info()["a"]["workers"]
         assert len({w["pid"] for w in group}) == 2
         victim = group[1]["pid"]
 
         run_killing(coord, victim, at_step=1)
         assert coord.restarts == 1
-        assert victim not in {w["pid"] for w in coord.trainers.info()["a"]["workers"]}
+        assert victim not in {w["pid"] for w in coord.pool.info()["a"]["workers"]}
         # a worker that dies while its peer waits in a collective: the peer's error is the death, not a bug
-        with pytest.raises(TrainerFailure, match=r"agent 'a': die_in_a_collective failed: worker 1 of 2: its process "
+        with pytest.raises(TrainerFailure, match=r"agent 'a': update failed: worker 1 of 2: its process "
                                                  r"died") as failure:
-            coord.trainers.call(die_in_a_collective, {"a": {}}, timeout=60)
+            die_in_a_collective(coord.pool)
         assert failure.value.recoverable
     assert_same_metrics(without_times(rows(tmp_path)), one_worker_each[:STEPS])
     # the 2-worker run's checkpoint resumes on one worker (in-process) and continues as the reference does
@@ -139,7 +140,7 @@ def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_on
 
 _DIE_IN_A_COLLECTIVE = """
 import gc, sys, time
-from agent_trainer.group import TrainerFailure
+from agent_trainer.handle import TrainerFailure
 from orchestrator.coordinator import Coordinator
 from protocols.config import validate_config
 from tests.dp_workers import die_in_a_collective
@@ -149,7 +150,7 @@ raw = raw_config(workers_a=2, ray=True)
 raw["ray"]["num_cpus"] = 2
 with Coordinator(validate_config(raw)) as coord:
     try:
-        coord.trainers.call(die_in_a_collective, {"a": {}}, timeout=60)
+        die_in_a_collective(coord.pool)
     except TrainerFailure as failure:
         print(failure)
     gc.collect()  # the call's object refs go: Ray reports an error nobody took as it drops its ref
@@ -161,7 +162,7 @@ def test_a_worker_dying_in_a_collective_fails_its_peer_quietly():
     # as a user's driver runs it (Ray's log lines reach its stderr), not under the tests' shared cluster
     done = subprocess.run([sys.executable, "-c", _DIE_IN_A_COLLECTIVE], capture_output=True, text=True, timeout=300,
                           cwd=REPO)
-    assert "agent 'a': die_in_a_collective failed: worker 1 of 2: its process died" in done.stdout, done
+    assert "agent 'a': update failed: worker 1 of 2: its process died" in done.stdout, done
     assert "Unhandled error" not in done.stderr and "Connection reset by peer" not in done.stderr, done.stderr
 
 

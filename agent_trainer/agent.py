@@ -1,0 +1,77 @@
+"""`Agent`: one agent as its host process serves it, behind the handle's typed methods.
+
+Each method is what a handle (`agent_trainer.handle.AgentHandle`) call runs in the agent's host process,
+and declares how it fans out over the agent's data-parallel workers (`agent_trainer.dispatch`). Every call
+runs inside the trainer's `selected` context (an adapter agent's adapter and RNG state in place; nothing
+for a full-model agent). A method added here without `@register` is refused where the class is defined.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from agent_trainer import storage
+from agent_trainer.dispatch import Dispatch, check_registered, register
+from agent_trainer.storage import LoadRequest, ProbeRequest, SaveRequest
+from protocols.messages import (
+    GenerateRequest, GenerateResult, ScoreRequest, StoredFiles, UpdateRequest, UpdateResult, WeightDigests,
+)
+
+if TYPE_CHECKING:
+    from agent_trainer.trainer import AgentTrainer
+
+
+@check_registered
+class Agent:
+    """The trainer of one agent (a full-model `AgentTrainer`, or an `adapters.AdapterTrainer`), served."""
+
+    def __init__(self, trainer: AgentTrainer):
+        self._trainer = trainer
+
+    @register(Dispatch.ROWS)
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        with self._trainer.selected():
+            return self._trainer.generate(request)
+
+    @register(Dispatch.ALL_EQUAL)
+    def update(self, request: UpdateRequest) -> UpdateResult:
+        with self._trainer.selected(updating=True):
+            return self._trainer.update(request)
+
+    @register(Dispatch.RANK_ZERO)
+    def save(self, request: SaveRequest) -> StoredFiles:
+        with self._trainer.selected():
+            return storage.save(self._trainer, target=request.target)
+
+    @register(Dispatch.ALL_EQUAL)
+    def load(self, request: LoadRequest) -> str | None:
+        """Why the checkpoint's copy on this node is damaged (nothing is loaded then), or None once loaded."""
+        with self._trainer.selected():
+            return storage.load(self._trainer, source=request.source, files=request.files)
+
+    @register(Dispatch.ALL_TRUE)
+    def probe(self, request: ProbeRequest) -> bool:
+        return storage.probe(self._trainer, where=request.where, token=request.token, agent=request.agent)
+
+    @register(Dispatch.RANK_ZERO)
+    def digest(self) -> str:
+        """SHA-256 of the weights the agent computes with."""
+        with self._trainer.selected():
+            return self._trainer.parameters_digest()
+
+    @register(Dispatch.RANK_ZERO)
+    def weight_digests(self) -> WeightDigests:
+        with self._trainer.selected():
+            return self._trainer.weight_digests()
+
+    @register(Dispatch.RANK_ZERO)
+    def score(self, request: ScoreRequest) -> list[list[float]]:
+        """Log-probs of each completion token under the full softmax at temperature 1 (`AgentTrainer.score`)."""
+        with self._trainer.selected():
+            return self._trainer.score(request.experiences, engine=request.engine)
+
+    @register(Dispatch.RANK_ZERO)
+    def per_token_logps(self, request: ScoreRequest) -> list[list[float]]:
+        """Log-probs of each completion token under the sampling distribution (`AgentTrainer.per_token_logps`)."""
+        with self._trainer.selected():
+            return self._trainer.per_token_logps(request.experiences)

@@ -1,0 +1,28 @@
+"""Which rollout engine each `agents.NAME.rollout.engine` name makes (the interface: `engines.RolloutEngine`).
+
+A new engine is a file of its own holding a class with `RolloutEngine`'s methods, one branch here, and its
+name in `protocols.config.RolloutConfig.engine`."""
+
+from __future__ import annotations
+
+from typing import Callable, ContextManager
+
+import torch
+
+from agent_trainer.engines import HFEngine, RolloutEngine
+from protocols.config import AgentConfig
+
+
+def make_engine(agent: AgentConfig, model: torch.nn.Module, *, model_path: str, tokenizer_path: str,
+                stop_ids: list[int], pad_id: int, device: torch.device, seed: int,
+                autocast: Callable[[], ContextManager]) -> RolloutEngine:
+    """The engine `agent.rollout.engine` names, sampling from `model` (whose weights came from `model_path`)."""
+    gen = agent.generation
+    if agent.rollout.engine == "hf":
+        return HFEngine(model, top_k=gen.top_k, top_p=gen.top_p, stop_ids=stop_ids, pad_id=pad_id, device=device,
+                        autocast=autocast)
+    from agent_trainer.engine_vllm import VLLMEngine  # imports vLLM: only for an agent that samples with it
+
+    return VLLMEngine(model_path=model_path, tokenizer_path=tokenizer_path, generation=gen,
+                      settings=agent.rollout.vllm, dtype=agent.rollout.vllm.dtype or agent.dtype,
+                      stop_ids=stop_ids, device=device, seed=seed)
