@@ -15,3 +15,16 @@ def ray_cluster():
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+FAST_MODULES = {"test_config", "test_losses", "test_attention", "test_plot", "test_example_envs", "test_dispatch",
+                "test_docs"}
+"""Modules whose tests train no model and start no Ray (a test that asks for `ray_cluster` excepted)."""
+
+
+def pytest_collection_modifyitems(items):
+    """Mark the fast tier (`make test-fast`, `pytest -m fast`): what needs no model training and no Ray."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in FAST_MODULES and "ray_cluster" not in item.fixturenames and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.fast)

@@ -24,7 +24,6 @@ from pydantic import TypeAdapter
 
 from protocols.config import RunConfig
 
-pytestmark = pytest.mark.fast
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", REPO / "benchmarks" / "RESULTS.md", *sorted((REPO / "docs").rglob("*.md"))]
