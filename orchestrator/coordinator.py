@@ -28,7 +28,8 @@ from orchestrator.advantages import Baselines, experiences_by_agent, saved_basel
 from orchestrator.data import DataPosition, load_samples, next_batch
 from orchestrator.evaluation import Evaluation, partner_agents
 from orchestrator.runlog import (
-    Checkpoint, CheckpointName, RunDirError, RunLog, as_checkpoint, checkpoint_problem, read_checkpoint_state,
+    EVAL_TRANSCRIPTS, Checkpoint, CheckpointName, RunDirError, RunLog, as_checkpoint, checkpoint_problem,
+    read_checkpoint_state,
 )
 from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
 from protocols.config import ConfigError, RunConfig, load_config
@@ -426,6 +427,8 @@ class Coordinator:
         row = {"step": self.state.step, **result.metrics}
         if self.log is not None:
             self.log.log_metrics(row)
+            self.log.log_transcripts(self.state.step, result.transcripts, name=EVAL_TRANSCRIPTS,
+                                     max_mb=self.config.train.transcripts_max_mb)
         return row
 
     # -------------------------------------------------------------------------------------- run
@@ -472,7 +475,8 @@ class Coordinator:
                     metrics["time/recovery"], failed_at = time.perf_counter() - failed_at, None
                 if self.log is not None:
                     self.log.log_metrics(metrics)
-                    self.log.log_transcripts(self.state.step, [e.transcript() for e in episodes[:cfg.transcripts_per_step]])
+                    self.log.log_transcripts(self.state.step, [e.transcript() for e in episodes[:cfg.transcripts_per_step]],
+                                             max_mb=cfg.transcripts_max_mb)
                 # evaluate (before the checkpoint: a kill during it replays the step and the evaluation)
                 if self.evaluation is not None and self.evaluation.due(self.state.step):
                     self.evaluate()
@@ -563,6 +567,7 @@ def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, 
     metrics: dict[str, Any] = {
         "step": step, "trained": sorted(results),
         "reward/mean": statistics.fmean(shared), "reward/std": statistics.pstdev(shared),
+        "reward/min": min(shared), "reward/max": max(shared),  # the bounds plots clip the +-std band to
     }
     for role in sorted({r for t in totals if isinstance(t, dict) for r in t}):
         metrics[f"reward/{role}"] = statistics.fmean(t[role] for t in totals)
