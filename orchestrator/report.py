@@ -67,7 +67,9 @@ def chart(panel: Panel) -> str:
     fig.update_layout(title={"text": panel.title, "font": {"size": 13}}, height=320,
                       margin={"l": 50, "r": 10, "t": 40, "b": 40}, template="plotly_white",
                       legend={"font": {"size": 10}}, showlegend=len(panel.series) > 1 or panel.series[0].raw is None)
-    fig.update_xaxes(title_text="step", tickformat="d")
+    steps = [x for s in panel.series for x in s.steps]
+    span = max(steps, default=1) - min(steps, default=0)
+    fig.update_xaxes(title_text="step", tick0=0, dtick=max(1, math.ceil(span / 8)))  # whole steps only
     fig.update_yaxes(title_text=panel.ylabel)
     return fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False, "displayModeBar": False, "responsive": True})
 
