@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return COMMANDS[args.command](args)
+    except BrokenPipeError:  # the reader went away (marsi schema | head): end quietly, as a pipe's writer does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt as exc:
         print(f"marsi: {exc}" if isinstance(exc, Interrupted) else "marsi: interrupted", file=sys.stderr)
         return 128 + getattr(exc, "signum", signal.SIGINT)
