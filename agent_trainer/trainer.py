@@ -137,6 +137,7 @@ class AgentTrainer:
                 text=self.tokenizer.decode(row[:-1] if stopped else row, skip_special_tokens=True),
                 prompt_ids=ids, completion_ids=row, per_token_logps=rollout.per_token_logps,
                 finish_reason=rollout.finish_reason, prompt_truncated=truncated, temperature=temperature,
+                policy_version=self.policy_version,
             ))
         return GenerateResult(agent=self.name, completions=completions, seconds=time.perf_counter() - start)
 

@@ -46,8 +46,8 @@ Baselines = dict[str, dict[str, dict[str, float]]]
 
 def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
                          baselines: Baselines) -> dict[str, list[Experience]]:
-    """Every action as an Experience with its advantage, grouped by agent. `baselines` is updated in
-    place when `algorithm.baseline == "ema"`."""
+    """Every action as an Experience with its advantage, grouped by agent; each action's `advantage` is set too
+    (its transcript shows it). `baselines` is updated in place when `algorithm.baseline == "ema"`."""
     actions, returns, keys, seats = scored_actions(episodes, algorithm)
     if not actions:
         return {}
@@ -63,6 +63,7 @@ def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
                 advantages[i] = a
     out: dict[str, list[Experience]] = {}
     for action, advantage in zip(actions, advantages):
+        action.advantage = advantage  # kept on the action for its transcript
         out.setdefault(action.agent, []).append(Experience.from_completion(action.completion, advantage))
     return out
 

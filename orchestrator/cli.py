@@ -1,4 +1,4 @@
-"""`marsi run | resume | validate | eval | schema | plot | export`."""
+"""`marsi run | resume | validate | eval | schema | plot | report | export`."""
 
 from __future__ import annotations
 
@@ -45,8 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value applied on top of the file, e.g. train.steps=5")
     p.add_argument("--steps", type=int, default=6, help="how many steps to print (default: 6)")
     sub.add_parser("schema", parents=[common], help="print the config's JSON schema")
-    p = sub.add_parser("plot", parents=[common], help="write PNG curves of a run (plot.png, reward.png, loss.png)")
-    p.add_argument("run_dir", help="the run directory whose metrics.jsonl to plot")
+    p = sub.add_parser("plot", parents=[common], help="write PNG curves of runs, overlaid (plot.png, reward.png)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories whose metrics.jsonl to plot")
+    p.add_argument("--out", help="directory for the PNG files (default: the first run directory)")
+    p.add_argument("--smoothing", type=_smoothing, default=None,
+                   help="weight of the moving average drawn over the raw reward, in [0, 1) (default: 0.6)")
+    p = sub.add_parser("report", parents=[common],
+                       help="write one self-contained HTML report of runs: curves, evaluations, episodes, config")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, overlaid in the curves")
+    p.add_argument("--out", help="the HTML file to write (default: report.html in the first run directory)")
+    p.add_argument("--smoothing", type=_smoothing, default=None,
+                   help="weight of the moving average drawn over the raw reward, in [0, 1) (default: 0.6)")
     p = sub.add_parser("eval", parents=[common],
                        help="evaluate a run's checkpoints (or a config's initial models) on the eval set")
     p.add_argument("target", help="a run directory, or a config file (its initial models)")
@@ -75,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return COMMANDS[args.command](args)
+    except BrokenPipeError:  # the reader went away (marsi schema | head): end quietly, as a pipe's writer does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt as exc:
         print(f"marsi: {exc}" if isinstance(exc, Interrupted) else "marsi: interrupted", file=sys.stderr)
         return 128 + getattr(exc, "signum", signal.SIGINT)
@@ -409,11 +421,26 @@ def cmd_schema(args) -> int:
     return 0
 
 
-def cmd_plot(args) -> int:
-    from orchestrator.plot import plot
+def _smoothing(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{text}: give a weight in [0, 1), e.g. 0.6 (0: no smoothing)")
+    return value
 
-    for path in plot(args.run_dir):
+
+def cmd_plot(args) -> int:
+    from orchestrator.plot import SMOOTHING, plot
+
+    for path in plot(args.run_dirs, args.out, SMOOTHING if args.smoothing is None else args.smoothing):
         print(path)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from orchestrator.plot import SMOOTHING
+    from orchestrator.report import report
+
+    print(report(args.run_dirs, args.out, SMOOTHING if args.smoothing is None else args.smoothing))
     return 0
 
 
@@ -496,7 +523,7 @@ def _exported_model(agent, source: Path):
 
 
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "validate": cmd_validate, "eval": cmd_eval, "schema": cmd_schema,
-            "plot": cmd_plot, "export": cmd_export}
+            "plot": cmd_plot, "report": cmd_report, "export": cmd_export}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,10 +25,12 @@ from agent_trainer.precision import emulation_warning
 from agent_trainer.storage import LoadRequest, Location, ProbeRequest, SaveRequest, StorageError
 from orchestrator import rollout
 from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines, zero_variance_shares
+from orchestrator.console import phase, progress
 from orchestrator.data import DataPosition, load_samples, next_batch
 from orchestrator.evaluation import Evaluation, partner_agents
 from orchestrator.runlog import (
-    Checkpoint, CheckpointName, RunDirError, RunLog, as_checkpoint, checkpoint_problem, read_checkpoint_state,
+    EVAL_TRANSCRIPTS, Checkpoint, CheckpointName, RunDirError, RunLog, as_checkpoint, checkpoint_problem,
+    read_checkpoint_state,
 )
 from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
 from protocols.config import ConfigError, RunConfig, load_config
@@ -109,9 +111,14 @@ class Coordinator:
                 from agent_trainer.actor import init_ray
 
                 self._owns_ray = init_ray(self.config.ray)
+                phase("Ray started" if self._owns_ray else "joined Ray", time.perf_counter() - began)
             ray_up = time.perf_counter()
             self.pool = self._start_trainers()
             trainers_up = time.perf_counter()
+            loaded = {a: max((w.get("load_s", 0.0) for w in i.get("workers", [i])), default=0.0)
+                      for a, i in self.pool.start_info.items()}
+            phase(f"{len(loaded)} trainer(s) up; model load " + ", ".join(f"{a} {s:.1f} s" for a, s in loaded.items()),
+                  trainers_up - ray_up)
             self._with_recovery(self._check_storage_reach)
         except BaseException:
             if self.log is not None and not self.resuming:
@@ -426,6 +433,8 @@ class Coordinator:
         row = {"step": self.state.step, **result.metrics}
         if self.log is not None:
             self.log.log_metrics(row)
+            self.log.log_transcripts(self.state.step, result.transcripts, name=EVAL_TRANSCRIPTS,
+                                     max_mb=self.config.train.transcripts_max_mb)
         return row
 
     # -------------------------------------------------------------------------------------- run
@@ -437,65 +446,71 @@ class Coordinator:
         if self.log is not None and self.log.latest_checkpoint() is None:
             self._with_recovery(self._save_checkpoint)  # step 0: something to restart from
         if self.evaluation is not None and self.evaluation.due(self.state.step) and not self._evaluated():
-            self._with_recovery(self.evaluate)  # before the first step, or one a kill cut short
-        bar = _progress(self.state.step, until, cfg.progress)
+            began = time.perf_counter()
+            row = self._with_recovery(self.evaluate)  # before the first step, or one a kill cut short
+            phase(f"evaluation at step {self.state.step}: eval/reward/mean {row['eval/reward/mean']:.3f}",
+                  time.perf_counter() - began)
+        bar = progress(self.state.step, until, cfg.progress)
         history, failed_at = [], None
-        while self.state.step < until and not self.stop_requested:
-            self._seconds.clear()
-            start = time.perf_counter()
-            try:
-                # rollout
-                epoch = self.state.data.epoch
-                samples = next_batch(self.samples, cfg.batch_size, self.state.data, cfg.seed, self.config.data.shuffle)
-                if self.state.data.epoch != epoch:
-                    self.warn_once("data", "epoch", f"data: all {len(self.samples)} samples used; going round again"
-                                   f"{' (reshuffled each epoch)' if self.config.data.shuffle else ''}; data/epoch counts")
-                episodes = self.play(samples)
-                # advantages
-                experiences = experiences_by_agent(episodes, self.config.algorithm, self.state.baselines)
-                # update: the scheduled agents only; the others' experiences are dropped (on-policy)
-                scheduled = self.schedule.training_agents(self.state.step)
-                training = [a for a in scheduled if a in experiences]
-                results = self.train({a: experiences[a] for a in training})
-                self.state.step += 1
-                # log
-                metrics = step_metrics(self.state.step, episodes, results, self._seconds, time.perf_counter() - start)
-                metrics["data/epoch"] = self.state.data.epoch + self.state.data.index / len(self.samples)
-                for agent, share in zero_variance_shares(episodes, self.config.algorithm).items():
-                    metrics[f"groups/zero_variance/{agent}"] = share
-                for agent in sorted(set(scheduled) - set(training)):
-                    metrics[f"no_experiences/{agent}"] = 1
-                    self.warn_once(agent, "idle", f"agent {agent!r} is scheduled to train but got no experiences at "
-                                   f"step {self.state.step} (no role it holds was prompted); its update is skipped "
-                                   f"(counted in no_experiences/{agent})")
-                if failed_at is not None:
-                    metrics["time/recovery"], failed_at = time.perf_counter() - failed_at, None
-                if self.log is not None:
-                    self.log.log_metrics(metrics)
-                    self.log.log_transcripts(self.state.step, [e.transcript() for e in episodes[:cfg.transcripts_per_step]])
-                # evaluate (before the checkpoint: a kill during it replays the step and the evaluation)
-                if self.evaluation is not None and self.evaluation.due(self.state.step):
-                    self.evaluate()
-                # checkpoint
-                every = cfg.checkpoint_every
-                at_end = self.state.step == cfg.steps or self.stop_requested
-                if self.log is not None and ((every and self.state.step % every == 0) or at_end):
-                    self._save_checkpoint()
-            except OSError as exc:  # a full or read-only disk under the run directory
-                if self.log is None:
-                    raise
-                raise RunDirError(self.log.disk_problem(exc)) from exc
-            except TrainerFailure as failure:
-                failed_at = time.perf_counter()
-                self.recover(failure)  # back to the last checkpoint; its later steps are replayed
-                history = [m for m in history if m["step"] <= self.state.step]
-                bar.reset(until)
-                bar.update(self.state.step)
-                continue
-            history.append(metrics)
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", training=",".join(training) or "-")
-        bar.close()
+        try:  # the bar is closed whatever happens, so an error starts a line of its own
+            while self.state.step < until and not self.stop_requested:
+                self._seconds.clear()
+                start = time.perf_counter()
+                try:
+                    # rollout
+                    epoch = self.state.data.epoch
+                    samples = next_batch(self.samples, cfg.batch_size, self.state.data, cfg.seed, self.config.data.shuffle)
+                    if self.state.data.epoch != epoch:
+                        self.warn_once("data", "epoch", f"data: all {len(self.samples)} samples used; going round again"
+                                       f"{' (reshuffled each epoch)' if self.config.data.shuffle else ''}; data/epoch counts")
+                    episodes = self.play(samples)
+                    # advantages
+                    experiences = experiences_by_agent(episodes, self.config.algorithm, self.state.baselines)
+                    # update: the scheduled agents only; the others' experiences are dropped (on-policy)
+                    scheduled = self.schedule.training_agents(self.state.step)
+                    training = [a for a in scheduled if a in experiences]
+                    results = self.train({a: experiences[a] for a in training})
+                    self.state.step += 1
+                    # log
+                    metrics = step_metrics(self.state.step, episodes, results, self._seconds, time.perf_counter() - start)
+                    metrics["data/epoch"] = self.state.data.epoch + self.state.data.index / len(self.samples)
+                    for agent, share in zero_variance_shares(episodes, self.config.algorithm).items():
+                        metrics[f"groups/zero_variance/{agent}"] = share
+                    for agent in sorted(set(scheduled) - set(training)):
+                        metrics[f"no_experiences/{agent}"] = 1
+                        self.warn_once(agent, "idle", f"agent {agent!r} is scheduled to train but got no experiences at "
+                                       f"step {self.state.step} (no role it holds was prompted); its update is skipped "
+                                       f"(counted in no_experiences/{agent})")
+                    if failed_at is not None:
+                        metrics["time/recovery"], failed_at = time.perf_counter() - failed_at, None
+                    if self.log is not None:
+                        self.log.log_metrics(metrics)
+                        self.log.log_transcripts(self.state.step, [e.transcript() for e in episodes[:cfg.transcripts_per_step]],
+                                                 max_mb=cfg.transcripts_max_mb)
+                    # evaluate (before the checkpoint: a kill during it replays the step and the evaluation)
+                    if self.evaluation is not None and self.evaluation.due(self.state.step):
+                        self.evaluate()
+                    # checkpoint
+                    every = cfg.checkpoint_every
+                    at_end = self.state.step == cfg.steps or self.stop_requested
+                    if self.log is not None and ((every and self.state.step % every == 0) or at_end):
+                        self._save_checkpoint()
+                except OSError as exc:  # a full or read-only disk under the run directory
+                    if self.log is None:
+                        raise
+                    raise RunDirError(self.log.disk_problem(exc)) from exc
+                except TrainerFailure as failure:
+                    failed_at = time.perf_counter()
+                    self.recover(failure)  # back to the last checkpoint; its later steps are replayed
+                    history = [m for m in history if m["step"] <= self.state.step]
+                    bar.reset(until)
+                    bar.update(self.state.step)
+                    continue
+                history.append(metrics)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", training=",".join(training) or "-")
+                bar.update(1)
+        finally:
+            bar.close()
         return history
 
 
@@ -563,6 +578,7 @@ def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, 
     metrics: dict[str, Any] = {
         "step": step, "trained": sorted(results),
         "reward/mean": statistics.fmean(shared), "reward/std": statistics.pstdev(shared),
+        "reward/min": min(shared), "reward/max": max(shared),  # the bounds plots clip the +-std band to
     }
     for role in sorted({r for t in totals if isinstance(t, dict) for r in t}):
         metrics[f"reward/{role}"] = statistics.fmean(t[role] for t in totals)
@@ -597,7 +613,4 @@ def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, 
     return metrics
 
 
-def _progress(done: int, total: int, enabled: bool):
-    from tqdm import tqdm
 
-    return tqdm(total=total, initial=done, disable=not enabled, unit="step", dynamic_ncols=True)

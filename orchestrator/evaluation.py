@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,8 @@ class EvalResult:
     each episode's value in a fixed order: what `compare` pairs."""
     samples: list[int]
     """Each episode's held-out sample, in that order: the clusters `compare` takes its interval over."""
+    transcripts: list[dict[str, Any]] = field(default_factory=list)
+    """The first `eval.transcripts` episodes of each setting, whole, with their `setting` label ("" as trained)."""
 
 
 class Evaluation:
@@ -112,7 +114,7 @@ class Evaluation:
 
     def run(self, generate, assignment) -> EvalResult:
         """Play every setting; `generate(prompts, seed, temperature)` is the coordinator's."""
-        metrics, values, samples = {}, {}, []
+        metrics, values, samples, transcripts = {}, {}, [], []
         settings = {"": {}, **self.eval.partners}
         for label, held in settings.items():
             seats = _seated(assignment, held, label)
@@ -123,7 +125,8 @@ class Evaluation:
             metrics.update({prefix + k: v for k, v in summarise(episodes, self.eval.pass_k).items()})
             values[label] = per_episode(episodes)
             samples = [e.sample_index for e in episodes]
-        return EvalResult(metrics, values, samples)
+            transcripts += [{"setting": label, **e.transcript()} for e in episodes[:self.eval.transcripts]]
+        return EvalResult(metrics, values, samples, transcripts)
 
 
 def _seated(assignment, held: dict[str, str], label: str):

@@ -1,19 +1,28 @@
-"""`marsi plot`: a run's curves as PNG files in its directory.
+"""The curves of one or more runs: the panels `marsi plot` draws as PNG files and `marsi report` as interactive
+charts (orchestrator/report.py).
 
-    RUN_DIR/plot.png     every panel below, two to a row
-    RUN_DIR/reward.png   the reward panel alone
-    RUN_DIR/loss.png     the loss panel alone
+    marsi plot RUN [RUN ...]   ->  plot.png (every panel, two to a row) and reward.png (the reward panel alone),
+                                   in the first run's directory or --out DIR
 
-Panels: the shared reward (mean with a +-1 std band, and each role's reward in zero-sum games); each
-agent's loss; each `episode/*` metric, with `turns/mean` and `invalid_rate`; the `eval/*` metrics, one
-panel per group (`eval/reward/mean` and `eval/reward/ROLE` share `eval/reward`), with error bars where
-a `KEY/stderr` is logged beside `KEY`. The x axis is the step, with integer ticks.
+Panels, in drawing order; a training panel is drawn only when one of its curves varies (a constant
+`turns/mean`, or a loss that is 0 at every step, gets none):
 
-Training curves are drawn from the training rows; a row that holds only `eval/` metrics (an evaluation
-logged as a row of its own) feeds the eval panels alone. A training curve has a gap, not a line, across
-steps without a value. An agent's loss has a value only at the steps it trained (the row's `trained`
-list), so an agent that sits out steps (alternating schedules) is drawn as separate segments or points.
-Eval metrics, logged every few steps, are joined from one evaluation to the next.
+- reward: the shared reward per step, raw (thin) under its smoothed curve (bold: an exponential moving
+  average, `smoothing` its weight, debiased at the start as TensorBoard's); a +-1 std band clipped to the
+  step's lowest and highest episode reward (`reward/min`, `reward/max`), so a reward in [0, 1] never shows
+  a band below 0;
+- reward per role (games with a reward per role), smoothed likewise;
+- per agent: entropy, KL to the reference, grad norm, clip fraction, log-prob gap (`rollout/logp_gap/A`:
+  the learner's log-probs against the engine's that sampled), the share of groups with equal returns
+  (`groups/zero_variance/A`: no gradient), completion length, loss. An update metric has a value only at
+  the steps its agent trained (the row's `trained` list): an agent that sits out steps is drawn as segments;
+- each `episode/*` metric, `invalid_rate`, `turns/mean`;
+- the `eval/*` metrics, one panel per group (`eval/reward/mean` and `eval/reward/ROLE` share `eval/reward`),
+  joined from one evaluation to the next, with 95% confidence bars (1.96 x `KEY/stderr`, which evaluation
+  clusters per sample) where logged.
+
+Several runs are overlaid: every curve once per run, labelled `RUN: label`. A row that holds only `eval/`
+metrics (an evaluation logged as a row of its own) feeds the eval panels alone. The x axis is the step.
 """
 
 from __future__ import annotations
@@ -25,7 +34,21 @@ from typing import Any
 
 from orchestrator.runlog import read_jsonl
 
-_EPISODE_KEYS = ("turns/mean", "invalid_rate")
+SMOOTHING = 0.6
+"""Default weight of the exponential moving average drawn over the raw reward."""
+CONFIDENCE = 1.96  # 95% (normal) confidence bars from a standard error
+
+AGENT_METRICS = [  # (key prefix, title, lower bound, upper bound, only at the steps the agent trained)
+    ("entropy/", "entropy per agent", 0.0, None, True),
+    ("kl/", "KL to the reference per agent", None, None, True),
+    ("grad_norm/", "grad norm per agent (before clipping)", 0.0, None, True),
+    ("clip_fraction/", "clip fraction per agent", 0.0, 1.0, True),
+    ("rollout/logp_gap/", "log-prob gap, learner vs sampling engine, per agent", 0.0, None, True),
+    ("groups/zero_variance/", "share of groups with equal returns (no gradient) per agent", 0.0, 1.0, False),
+    ("completion_length/", "completion length per agent (tokens)", 0.0, None, False),
+    ("loss/", "loss per agent", None, None, True),
+]
+_EPISODE_KEYS = ("invalid_rate", "turns/mean")
 
 
 @dataclass
@@ -35,7 +58,14 @@ class Series:
     label: str
     steps: list[int]
     values: list[float]
-    errors: list[float] | None = None  # +- this much, drawn as error bars
+    errors: list[float] | None = None
+    """+- this much at each point (95% confidence), drawn as error bars."""
+    band: tuple[list[float], list[float]] | None = None
+    """(low, high) at each step, shaded."""
+    raw: list[float] | None = None
+    """The unsmoothed values, drawn thin under `values`."""
+    color: int = 0
+    """Index into the palette: a curve keeps its colour across its raw line, band and smoothed line."""
 
 
 @dataclass
@@ -43,7 +73,8 @@ class Panel:
     title: str
     ylabel: str
     series: list[Series] = field(default_factory=list)
-    band: tuple[list[int], list[float], list[float]] | None = None  # (steps, low, high), shaded
+    bounds: tuple[float | None, float | None] = (None, None)
+    """The metric's own bounds (a share lies in [0, 1]); bands and bars are clipped to them."""
 
 
 def _number(value: Any) -> float:
@@ -51,6 +82,24 @@ def _number(value: Any) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
     return math.nan
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    """Exponential moving average of `values` (weight on the past), debiased at the start; NaN stays a gap
+    and is skipped by the average."""
+    out, average, n = [], 0.0, 0
+    for value in values:
+        if math.isnan(value):
+            out.append(math.nan)
+            continue
+        n += 1
+        average = weight * average + (1.0 - weight) * value
+        out.append(average / (1.0 - weight ** n) if weight < 1.0 else value)
+    return out
+
+
+def clip(values: list[float], low: float | None, high: float | None) -> list[float]:
+    return [min(max(v, low if low is not None else v), high if high is not None else v) for v in values]
 
 
 def per_step(rows: list[dict[str, Any]], key: str, label: str | None = None) -> Series:
@@ -66,10 +115,10 @@ def agent_series(rows: list[dict[str, Any]], key: str, agent: str) -> Series:
 
 
 def sparse(rows: list[dict[str, Any]], key: str, label: str) -> Series:
-    """`key` at the steps that logged it, joined from one to the next, with `key/stderr` as its error bars
-    when logged (eval metrics)."""
+    """`key` at the steps that logged it, joined from one to the next, with 95% confidence bars from
+    `key/stderr` when logged (eval metrics)."""
     picked = [r for r in rows if key in r]
-    errors = [_number(r.get(f"{key}/stderr")) for r in picked]
+    errors = [CONFIDENCE * _number(r.get(f"{key}/stderr")) for r in picked]
     return Series(label, [r["step"] for r in picked], [_number(r[key]) for r in picked],
                   errors if any(not math.isnan(e) for e in errors) else None)
 
@@ -81,40 +130,90 @@ def _training_row(row: dict[str, Any]) -> bool:
 
 def _eval_value_key(key: str) -> bool:
     """An `eval/` key to draw: not a standard error (drawn as error bars) nor an episode count."""
-    return key.startswith("eval/") and not key.endswith(("/stderr", "/episodes"))
+    return key.startswith("eval/") and not key.endswith(("/stderr", "/episodes")) and key != "eval/episodes"
 
 
 def _keys(rows: list[dict[str, Any]], prefix: str) -> list[str]:
-    return sorted({k for r in rows for k in r if k.startswith(prefix)})
+    return sorted({k for r in rows for k in r if k.startswith(prefix) and "/" not in k[len(prefix):]})
 
 
-def reward_panel(rows: list[dict[str, Any]]) -> Panel:
+def smoothed(series: Series, weight: float) -> Series:
+    """`series` drawn smoothed over its raw values."""
+    series.raw, series.values = series.values, smooth(series.values, weight)
+    return series
+
+
+def reward_panel(rows: list[dict[str, Any]], weight: float = SMOOTHING) -> Panel:
     mean = per_step(rows, "reward/mean", "mean")
     std = per_step(rows, "reward/std").values
-    band = (mean.steps, [m - s for m, s in zip(mean.values, std)], [m + s for m, s in zip(mean.values, std)])
-    roles = [per_step(rows, k, k.removeprefix("reward/")) for k in _keys(rows, "reward/")
-             if k not in ("reward/mean", "reward/std")]
-    return Panel("reward (shared mean +- std; per role)", "reward", [mean, *roles], band)
+    low = [max(m - s, lo) if not math.isnan(lo) else m - s
+           for m, s, lo in zip(mean.values, std, per_step(rows, "reward/min").values)]
+    high = [min(m + s, hi) if not math.isnan(hi) else m + s
+            for m, s, hi in zip(mean.values, std, per_step(rows, "reward/max").values)]
+    mean.band = (low, high)
+    return Panel(f"shared reward (mean, smoothed {weight:g}; band +-1 std within the step's range)", "reward",
+                 [smoothed(mean, weight)])
 
 
-def loss_panel(rows: list[dict[str, Any]]) -> Panel:
-    agents = [k.removeprefix("loss/") for k in _keys(rows, "loss/")]
-    return Panel("loss per agent (at the steps it trained)", "loss",
-                 [agent_series(rows, f"loss/{a}", a) for a in agents])
+def role_panel(rows: list[dict[str, Any]], weight: float = SMOOTHING) -> Panel:
+    roles = [k for k in _keys(rows, "reward/") if k not in ("reward/mean", "reward/std", "reward/min", "reward/max")]
+    return Panel(f"reward per role (smoothed {weight:g})", "reward",
+                 [smoothed(per_step(rows, k, k.removeprefix("reward/")), weight) for k in roles])
 
 
-def panels(rows: list[dict[str, Any]]) -> list[Panel]:
-    """Every panel of a run's metrics rows, in drawing order."""
+def agent_panel(rows: list[dict[str, Any]], prefix: str, title: str, low: float | None, high: float | None,
+                trained_only: bool) -> Panel:
+    agents = [k.removeprefix(prefix) for k in _keys(rows, prefix)]
+    series = [agent_series(rows, prefix + a, a) if trained_only else per_step(rows, prefix + a, a) for a in agents]
+    return Panel(title, prefix.rstrip("/").rsplit("/", 1)[-1], series, (low, high))
+
+
+def run_panels(rows: list[dict[str, Any]], weight: float = SMOOTHING) -> list[Panel]:
+    """Every panel of one run's metrics rows, in drawing order, before the check that a curve varies."""
     training = [r for r in rows if _training_row(r)]
-    found = [reward_panel(training), loss_panel(training)]
+    found = [reward_panel(training, weight), role_panel(training, weight)]
+    found += [agent_panel(training, *spec) for spec in AGENT_METRICS]
     for key in [*_keys(training, "episode/"), *(k for k in _EPISODE_KEYS if any(k in r for r in training))]:
-        found.append(Panel(key, key.removeprefix("episode/"), [per_step(training, key, key)]))
+        found.append(Panel(key, key.removeprefix("episode/"), [per_step(training, key, key)],
+                           (0.0, 1.0) if key == "invalid_rate" else (None, None)))
     groups: dict[str, list[str]] = {}
-    for key in filter(_eval_value_key, _keys(rows, "eval/")):
+    for key in filter(_eval_value_key, sorted({k for r in rows for k in r if k.startswith("eval/")})):
         groups.setdefault(key.rsplit("/", 1)[0] if key.count("/") > 1 else key, []).append(key)
     for group, keys in groups.items():
-        found.append(Panel(group, group.removeprefix("eval/"),
-                           [sparse(rows, k, k.removeprefix(group + "/")) for k in keys]))
+        bounds = (0.0, 1.0) if "pass@" in group else (None, None)
+        found.append(Panel(f"{group} (95% confidence bars)", group.removeprefix("eval/"),
+                           [sparse(rows, k, k.removeprefix(group + "/") if k != group else k.removeprefix("eval/"))
+                            for k in keys],
+                           bounds))
+    return found
+
+
+def varies(panel: Panel) -> bool:
+    """Whether some curve of `panel` takes more than one value."""
+    for s in panel.series:
+        finite = [v for v in (s.raw or s.values) if not math.isnan(v)]
+        if finite and max(finite) - min(finite) > 1e-12:
+            return True
+    return False
+
+
+def panels(runs: dict[str, list[dict[str, Any]]] | list[dict[str, Any]], smoothing: float = SMOOTHING) -> list[Panel]:
+    """The panels of one run's rows, or of several runs (name -> rows) overlaid: curves labelled `RUN: label`,
+    each curve of each run its own colour. Training panels without a varying curve are left out."""
+    runs = {"": runs} if isinstance(runs, list) else runs
+    merged: dict[str, Panel] = {}
+    for name, rows in runs.items():
+        for panel in run_panels(rows, smoothing):
+            into = merged.setdefault(panel.title, Panel(panel.title, panel.ylabel, [], panel.bounds))
+            for s in panel.series:
+                s.label = f"{name}: {s.label}" if len(runs) > 1 else s.label
+                into.series.append(s)
+    found = [p for p in merged.values() if p.series and (p.title.startswith("eval/") or varies(p))]
+    for panel in found:
+        for i, s in enumerate(panel.series):
+            s.color = i
+            if s.band is not None:
+                s.band = (clip(s.band[0], *panel.bounds), clip(s.band[1], *panel.bounds))
     return found
 
 
@@ -122,15 +221,19 @@ def draw(ax, panel: Panel) -> None:
     """One panel on a matplotlib Axes: labelled axes, integer step ticks, a legend when there are curves."""
     from matplotlib.ticker import MaxNLocator
 
-    if panel.band is not None:
-        ax.fill_between(*panel.band, alpha=0.2, linewidth=0)
     for s in panel.series:
+        color = f"C{s.color % 10}"
+        if s.band is not None:
+            ax.fill_between(s.steps, *s.band, color=color, alpha=0.15, linewidth=0)
+        if s.raw is not None:
+            ax.plot(s.steps, s.raw, color=color, alpha=0.35, linewidth=0.8)
         if s.errors is None:
-            ax.plot(s.steps, s.values, marker=".", markersize=3, linewidth=1, label=s.label)
+            ax.plot(s.steps, s.values, color=color, marker=".", markersize=3, linewidth=1.6 if s.raw else 1,
+                    label=s.label)
         else:
-            ax.errorbar(s.steps, s.values, yerr=s.errors, marker=".", markersize=3, linewidth=1, capsize=2,
-                        label=s.label)
-    ax.set_title(panel.title)
+            ax.errorbar(s.steps, s.values, yerr=s.errors, color=color, marker=".", markersize=3, linewidth=1,
+                        capsize=2, label=s.label)
+    ax.set_title(panel.title, fontsize="medium")
     ax.set_xlabel("step")
     ax.set_ylabel(panel.ylabel)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -143,7 +246,7 @@ def figure(found: list[Panel], columns: int = 2):
     """A figure holding `found`, `columns` to a row."""
     import matplotlib.pyplot as plt
 
-    rows = math.ceil(len(found) / columns)
+    rows = max(1, math.ceil(len(found) / columns))
     fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 3.6 * rows), squeeze=False)
     for ax, panel in zip(axes.flat, found):
         draw(ax, panel)
@@ -153,22 +256,34 @@ def figure(found: list[Panel], columns: int = 2):
     return fig
 
 
-def plot(run_dir: str | Path) -> list[Path]:
-    """Write plot.png, reward.png and loss.png into `run_dir`; returns the files written."""
+def read_runs(run_dirs: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
+    """Each run's metrics rows by its directory's name (its path where two names collide)."""
+    runs = {}
+    names = [Path(d).name for d in run_dirs]
+    for run_dir, name in zip(run_dirs, names):
+        rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+        if not rows:
+            raise FileNotFoundError(f"{run_dir}: no metrics.jsonl rows to plot; is this a run directory?")
+        runs[name if names.count(name) == 1 else str(run_dir)] = rows
+    return runs
+
+
+def plot(run_dirs: str | Path | list[str | Path], out: str | Path | None = None,
+         smoothing: float = SMOOTHING) -> list[Path]:
+    """Write plot.png and reward.png into `out` (default: the first run's directory); returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir = Path(run_dir)
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    if not rows:
-        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl rows to plot; is this a run directory?")
-    found = panels(rows)
+    run_dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else list(run_dirs)
+    found = panels(read_runs(run_dirs), smoothing)
+    out = Path(out) if out is not None else Path(run_dirs[0])
+    out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, chosen, columns in (("plot.png", found, 2), ("reward.png", found[:1], 1), ("loss.png", found[1:2], 1)):
+    for name, chosen, columns in (("plot.png", found, 2), ("reward.png", found[:1], 1)):
         fig = figure(chosen, columns)
-        fig.savefig(run_dir / name, dpi=100)
+        fig.savefig(out / name, dpi=100)
         plt.close(fig)
-        written.append(run_dir / name)
+        written.append(out / name)
     return written

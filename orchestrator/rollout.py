@@ -25,6 +25,8 @@ class Action:
     agent: str
     prompt: Prompt
     completion: Completion
+    advantage: float | None = None
+    """Set when the action is scored for an update (orchestrator/advantages.py); None for evaluation episodes."""
 
 
 @dataclass
@@ -67,7 +69,8 @@ class Episode:
             "truncated": self.truncated, "reward": self.total_reward(), "info": self.info,
             "turns": [{"reward": t.reward, "infos": t.infos,
                        "actions": [{"role": a.role, "agent": a.agent, "prompt": a.prompt, "completion": a.completion.text,
-                                    "finish_reason": a.completion.finish_reason} for a in t.actions]}
+                                    "finish_reason": a.completion.finish_reason, "advantage": a.advantage,
+                                    "policy_version": a.completion.policy_version} for a in t.actions]}
                       for t in self.turns],
         }
 

@@ -2,7 +2,9 @@
 
     RUN_DIR/config.yaml          the resolved config (relative paths made absolute)
     RUN_DIR/metrics.jsonl        one line per step
-    RUN_DIR/transcripts.jsonl    a sample of whole episodes per step
+    RUN_DIR/transcripts.jsonl    a sample of whole episodes per step (train.transcripts_per_step)
+    RUN_DIR/eval_transcripts.jsonl   the first episodes of each evaluation (eval.transcripts)
+    RUN_DIR/source/              the environment's and data factory's source files
     RUN_DIR/checkpoints/step-000010/{agents/NAME/, coordinator.json}
     RUN_DIR/.lock                held (flock) by the one live process writing the run
 
@@ -45,6 +47,8 @@ Checkpoint = Path | Location
 """A checkpoint directory: in the run directory, or in `train.storage`."""
 CHECKPOINT_DONE = "coordinator.json"  # written last: a checkpoint without it is incomplete
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+TRANSCRIPTS = "transcripts.jsonl"
+EVAL_TRANSCRIPTS = "eval_transcripts.jsonl"
 _STATE_KEYS = ("step", "episodes", "data", "baselines", "manifest")
 
 
@@ -112,6 +116,7 @@ class RunLog:
         self.storage = storage if storage is not None else recorded_storage(self.dir)
         self.sinks: list = []
         self._lock = None
+        self._full: set[str] = set()  # transcript files that reached train.transcripts_max_mb
 
     # ------------------------------------------------------------------------------------ claim
     def claim(self, *, resume: bool) -> None:
@@ -248,15 +253,28 @@ class RunLog:
         with open(self.dir / "eval.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def log_transcripts(self, step: int, transcripts: list[dict[str, Any]]) -> None:
-        with open(self.dir / "transcripts.jsonl", "a") as f:
-            for t in transcripts:
-                f.write(json.dumps({"step": step, **t}) + "\n")
+    def log_transcripts(self, step: int, transcripts: list[dict[str, Any]], *, name: str = TRANSCRIPTS,
+                        max_mb: float | None = None) -> bool:
+        """Append whole episodes of `step` to `name`, unless that would take the file past `max_mb`: then they
+        and every later step's are left out, said once on stderr. False when left out."""
+        if not transcripts:
+            return True
+        text = "".join(json.dumps({"step": step, **t}) + "\n" for t in transcripts)
+        path = self.dir / name
+        if name in self._full or (max_mb is not None and (_size(path) or 0) + len(text.encode()) > max_mb * 1e6):
+            if name not in self._full:
+                self._full.add(name)
+                print(f"marsi: {path} has reached train.transcripts_max_mb ({max_mb:g} MB); from step {step} on no more "
+                      "episodes are written to it (metrics go on); raise the bound to keep more", file=sys.stderr, flush=True)
+            return False
+        with open(path, "a") as f:
+            f.write(text)
+        return True
 
     def truncate_after(self, step: int) -> None:
         """Drop records of steps after `step` (they are replayed after a resume): each file is streamed
         into a new one beside it, which then replaces it, so a crash at any moment leaves one whole file."""
-        for name in ("metrics.jsonl", "transcripts.jsonl"):
+        for name in ("metrics.jsonl", TRANSCRIPTS, EVAL_TRANSCRIPTS):
             path = self.dir / name
             if not path.exists():
                 continue

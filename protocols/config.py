@@ -320,6 +320,9 @@ class EvalConfig(_Strict):
     give it a share, e.g. {num_gpus: 0.2}."""
     seed: int | None = None
     """Seed of evaluation episodes (the same at every evaluation, so curves compare like with like); None: train.seed."""
+    transcripts: int = Field(8, ge=0)
+    """Episodes of each evaluation (per setting: as trained and each partner label) written whole to
+    RUN_DIR/eval_transcripts.jsonl, the first ones played; bounded in size by train.transcripts_max_mb. 0: none."""
 
     @model_validator(mode="after")
     def _checks(self) -> EvalConfig:
@@ -386,7 +389,13 @@ class TrainConfig(_Strict):
     start_timeout_s: float | None = Field(1800.0, gt=0.0)
     """Trainers not up (model loaded) this long after placement fail the start (Ray trainers); None waits forever."""
     transcripts_per_step: int = Field(2, ge=0)
-    """Episodes per step written whole to transcripts.jsonl."""
+    """Episodes per step written whole to transcripts.jsonl (the first ones played: the first sample's group),
+    each turn with its prompt, completion, reward, advantage and the acting agent's policy version; `marsi report`
+    browses them. 0: none."""
+    transcripts_max_mb: float | None = Field(200.0, gt=0.0)
+    """Size bound of transcripts.jsonl and of eval_transcripts.jsonl, each, in MB. A step whose transcripts would
+    take a file past it writes none, and neither does any later step (metrics go on; a line on stderr says so once);
+    resuming with a higher bound writes them again from there. None: no bound."""
     progress: bool = True
     """Show a progress bar."""
 

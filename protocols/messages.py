@@ -51,6 +51,9 @@ class Completion(_Message):
     """The prompt was longer than max_prompt_length and lost its start."""
     temperature: float | None = None
     """Sampling temperature the completion was drawn at; None: the agent's generation.temperature."""
+    policy_version: int | None = None
+    """Updates the sampling agent's weights had had when this was drawn (0: its initial weights); None: not drawn
+    by a trainer (the environment's scripted player)."""
 
 
 class GenerateResult(_Message):

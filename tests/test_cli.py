@@ -108,10 +108,12 @@ def test_plot_writes_pngs(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": s / 10, "loss/a": 1 - s / 10})
                                                + "\n" for s in range(1, 5)))
-    out = marsi("plot", run)
+    out = marsi("plot", run, run, "--out", tmp_path / "both", "--smoothing", "0.3")  # a run overlaid on itself
     assert out.returncode == 0, out.stderr
-    for name in ("plot.png", "reward.png", "loss.png"):
-        assert (run / name).read_bytes()[:4] == b"\x89PNG"
+    for name in ("plot.png", "reward.png"):
+        assert (tmp_path / "both" / name).read_bytes()[:4] == b"\x89PNG"
+    out = marsi("plot", run, "--smoothing", "1.5")
+    assert out.returncode == 2 and "give a weight in [0, 1)" in out.stderr
 
 
 def test_bad_config_gives_one_line_and_exit_2(tmp_path):

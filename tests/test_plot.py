@@ -49,15 +49,50 @@ def test_an_agents_loss_has_a_gap_where_it_did_not_train():
     assert math.isnan(agent_series(rows, "loss/a", "a").values[2])
 
 
-def test_panels_cover_reward_loss_episode_and_eval_metrics():
-    found = by_title(panels(alternating_rows()))
-    assert list(found) == ["reward", "loss per agent", "episode/hits", "turns/mean", "invalid_rate", "eval/reward"]
-    assert [s.label for s in found["reward"].series] == ["mean", "o", "x"]
-    assert found["reward"].band is not None
-    assert [s.label for s in found["loss per agent"].series] == ["a", "b"]
+def test_panels_show_training_metrics_that_vary_and_leave_out_constant_ones():
+    rows = alternating_rows()
+    for step, row in enumerate(rows, 1):
+        agent = row["trained"][0]
+        row.update({f"entropy/{agent}": 2.0 - step / 10, f"kl/{agent}": 0.0, f"grad_norm/{agent}": step / 3,
+                    f"clip_fraction/{agent}": 0.0, f"rollout/logp_gap/{agent}": 1e-3 * step,
+                    "groups/zero_variance/a": step / 8, "groups/zero_variance/b": 1.0})
+    found = by_title(panels(rows))
+    assert list(found) == ["shared reward", "reward per role", "entropy per agent", "grad norm per agent",
+                           "log-prob gap, learner vs sampling engine, per agent",
+                           "share of groups with equal returns", "loss per agent", "episode/hits", "eval/reward"]
+    # KL and clip fraction are 0 throughout, turns/mean and invalid_rate constant: no panel of their own
+    assert [s.label for s in found["reward per role"].series] == ["o", "x"]
+    assert [s.label for s in found["entropy per agent"].series] == ["a", "b"]
+    share = {s.label: s for s in found["share of groups with equal returns"].series}
+    assert share["a"].values == [step / 8 for step in range(1, 9)]  # logged every step, trained or not
     evals = {s.label: s for s in found["eval/reward"].series}
     assert evals["mean"].steps == [4, 8] and evals["mean"].values == [0.2, 0.4]  # joined from eval to eval
     assert evals["x"].steps == [4, 8]
+
+
+def test_the_reward_is_smoothed_over_the_raw_one_and_its_band_stays_within_the_steps_rewards():
+    rows = [{"step": s, "trained": ["a"], "reward/mean": m, "reward/std": 0.3, "reward/min": 0.0, "reward/max": 1.0,
+             "loss/a": 0.0} for s, m in enumerate([0.1, 0.9, 0.1, 0.9, 0.2], 1)]
+    reward = panels(rows, smoothing=0.5)[0].series[0]
+    assert reward.raw == [0.1, 0.9, 0.1, 0.9, 0.2]
+    # debiased EMA, weight 0.5: a = 0.05, then 0.5 * 0.05 + 0.45, divided by 1 - 0.5 ** 2
+    assert math.isclose(reward.values[0], 0.1) and math.isclose(reward.values[1], 0.475 / 0.75)
+    assert max(reward.values) - min(reward.values) < 0.9 - 0.1  # smoother than the raw curve
+    low, high = reward.band
+    assert low[0] == 0.0 and low[1] == 0.9 - 0.3  # 0.1 - 0.3 is clipped to the step's lowest reward, 0
+    assert high[1] == 1.0 and high[0] == 0.1 + 0.3  # 0.9 + 0.3 is clipped to its highest, 1
+    assert len(panels(rows)) == 1  # a loss of 0 at every step says nothing: no panel
+
+
+def test_several_runs_are_overlaid_each_curve_its_own_colour():
+    one, two = alternating_rows(), alternating_rows()
+    for row in two:
+        row["reward/mean"] += 0.5
+    found = by_title(panels({"first": one, "second": two}))
+    reward = found["shared reward"].series
+    assert [s.label for s in reward] == ["first: mean", "second: mean"]
+    assert reward[1].raw == [r["reward/mean"] for r in two]
+    assert len({s.color for s in found["loss per agent"].series}) == 4  # a and b of each run
 
 
 def test_the_figure_has_labelled_axes_integer_steps_and_broken_loss_lines():
@@ -81,15 +116,17 @@ def test_the_figure_has_labelled_axes_integer_steps_and_broken_loss_lines():
         plt.close(fig)
 
 
-def test_plot_writes_the_figure_and_reads_rows_without_trained(tmp_path):
+def test_plot_writes_the_figures_of_several_runs_and_reads_rows_without_trained(tmp_path):
     rows = alternating_rows()
     for row in rows[:2]:
         del row["trained"]  # rows of older runs: every logged loss is drawn
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    written = plot(tmp_path)
-    assert [p.name for p in written] == ["plot.png", "reward.png", "loss.png"]
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    written = plot([tmp_path / "one", tmp_path / "two"], out=tmp_path / "out")
+    assert [p.name for p in written] == ["plot.png", "reward.png"]
     for path in written:
-        assert path.read_bytes()[:4] == b"\x89PNG"
+        assert path.parent == tmp_path / "out" and path.read_bytes()[:4] == b"\x89PNG"
     assert same(agent_series(rows, "loss/a", "a").values[:2], [1.0, 0.5])
 
 
@@ -100,13 +137,13 @@ def test_evaluation_rows_of_their_own_feed_only_the_eval_panels():
                      "eval/episodes": 16, "eval/pass@2": 0.5, "eval/pass@2/stderr": 0.1})
     rows.sort(key=lambda r: r["step"])
     found = by_title(panels(rows))
-    mean = found["reward"].series[0]
-    assert mean.steps == [1, 2, 3, 4] and not any(math.isnan(v) for v in mean.values)  # no gap at eval rows
+    mean = found["shared reward"].series[0]
+    assert mean.steps == [1, 2, 3, 4] and not any(math.isnan(v) for v in mean.raw)  # no gap at eval rows
     assert found["loss per agent"].series[0].steps == [1, 2, 3, 4]
     evals = found["eval/reward"].series[0]
-    assert (evals.label, evals.steps, evals.values, evals.errors) == ("mean", [0, 2, 4], [0.0, 0.5, 1.0],
-                                                                     [0.05, 0.05, 0.05])
-    assert found["eval/pass@2"].series[0].errors == [0.1, 0.1, 0.1]
+    assert (evals.label, evals.steps, evals.values) == ("mean", [0, 2, 4], [0.0, 0.5, 1.0])
+    assert [round(e, 6) for e in evals.errors] == [0.098] * 3  # 95% confidence: 1.96 standard errors
+    assert [round(e, 6) for e in found["eval/pass@2"].series[0].errors] == [0.196] * 3
     assert not any("episodes" in title or "stderr" in title for title in found)
     fig = figure(list(found.values()))
     plt.close(fig)

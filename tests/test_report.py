@@ -1,0 +1,113 @@
+"""`marsi report` end to end: a short tiny run through the CLI, its HTML file read as data and opened in
+headless Chromium (Debian's `chromium`, installed by `make setup`), where the episode filter must find a known
+episode and the page must log nothing to the console."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.envs import HERE, config
+from tests.runs import marsi, write
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PATH; make setup installs Debian's")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 3-step run of two agents with evaluation, every training episode kept, and its report."""
+    tmp = tmp_path_factory.mktemp("report")
+    raw = config(train={"steps": 3, "batch_size": 2, "num_generations": 4, "transcripts_per_step": 8, "progress": False})
+    raw["eval"] = {"data": {"factory": f"{HERE / 'envs.py'}:held_out"}, "episodes_per_sample": 2, "temperature": 1.0,
+                   "transcripts": 4}
+    for agent in raw["agents"].values():
+        agent["generation"]["temperature"] = 1.0
+    out = marsi("run", write(tmp, raw), "--run-dir", tmp / "run")
+    assert out.returncode == 0, out.stderr
+    out = marsi("report", tmp / "run")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(tmp / "run" / "report.html")
+    return tmp / "run"
+
+
+def payload(page: str) -> list[dict]:
+    found = re.search(r'<script type="application/json" id="episodes">(.*?)</script>', page, re.S)
+    return json.loads(found.group(1).replace("<\\/", "</"))
+
+
+def test_the_report_is_one_file_holding_curves_evaluations_episodes_and_config(run):
+    page = (run / "report.html").read_text()
+    # self-contained: no script, style or image is fetched from anywhere
+    assert not re.search(r'<(script|img|iframe)[^>]+src=|<link[^>]+href=', page)
+    assert page.count("Plotly.newPlot") >= 3 and "shared reward" in page and "entropy per agent" in page
+    assert "step 0 (initial)" in page and "step 3" in page  # the evaluation table: initial weights and the end
+    assert "environment:" in page and "source/envs.py" in page and "class LetterEnv" in page
+    episodes = payload(page)
+    train = [e for e in episodes if e["kind"] == "train"]
+    evals = [e for e in episodes if e["kind"] == "eval"]
+    assert len(train) == 3 * 8 and len(evals) == 2 * 4  # every kept episode, at both evaluations
+    acted = [a for e in train for t in e["turns"] for a in t["actions"]]
+    assert {a["agent"] for a in acted} == {"a", "b"} and all(isinstance(a["advantage"], float) for a in acted)
+    assert {(e["step"], a["policy_version"]) for e in train for t in e["turns"] for a in t["actions"]} == {
+        (1, 0), (2, 1), (3, 2)}
+    assert {e["step"] for e in evals} == {0, 3}
+
+
+def chromium(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                           "--v=0", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def console(out: subprocess.CompletedProcess) -> list[str]:
+    """What the page wrote to its console (messages and uncaught errors), as Chromium logs them."""
+    return [line for line in out.stderr.splitlines() if ":CONSOLE" in line]
+
+
+@needs_chromium
+def test_headless_chromium_sees_console_errors(tmp_path):
+    page = tmp_path / "broken.html"
+    page.write_text("<html><body><script>undefinedFunction();</script></body></html>")
+    assert console(chromium("--dump-dom", page.as_uri()))  # what the next test counts on to see errors
+
+
+@needs_chromium
+def test_the_episode_filter_finds_the_first_episode_in_which_both_agents_were_right(run, tmp_path):
+    lines = [json.loads(line) for line in (run / "transcripts.jsonl").read_text().splitlines()]
+    best = max(e["reward"] for e in lines)  # 1.0: both agents said the letter; else the best the run has
+    first = next(e for e in lines if e["reward"] >= best)
+    url = (run / "report.html").as_uri() + f"#kind=train&reward_min={best}"
+    out = chromium("--dump-dom", url)
+    assert out.returncode == 0 and console(out) == [], console(out)
+    dom = out.stdout
+    assert 'data-ready="1"' in dom  # the browser's script ran to its end
+    shown = re.findall(r'<details class="episode" data-run="run" data-kind="(\w+)" data-step="(\d+)" '
+                       r'data-episode="(\d+)"', dom)
+    assert shown[0] == ("train", str(first["step"]), str(first["episode"]))
+    assert len(shown) == sum(e["reward"] >= best for e in lines)
+    assert re.search(rf'{len(shown)} of {len(lines) + 8} episodes match', dom)
+    # the first match is opened: its prompts and completions are on the page
+    assert "Say " in dom and "policy version" in dom and "advantage" in dom
+    # a filter on one agent's role and a step range narrows it down the same way as the data says
+    out = chromium("--dump-dom", (run / "report.html").as_uri() + "#kind=eval&step_min=3&role=r1&agent=b")
+    assert console(out) == [] and len(re.findall(r'data-kind="eval" data-step="3"', out.stdout)) == 4
+    assert 'data-step="0"' not in out.stdout
+
+
+@needs_chromium
+def test_a_screenshot_of_the_report(run, tmp_path):
+    """The screenshot of docs/report.md; MARSI_DOCS_SCREENSHOT=1 writes it to docs/report.png."""
+    shot = tmp_path / "report.png"
+    out = chromium("--window-size=1200,1000", "--hide-scrollbars", f"--screenshot={shot}",
+                   (run / "report.html").as_uri() + "#kind=train")
+    assert out.returncode == 0 and console(out) == [], console(out)
+    assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 20_000  # a drawn page, not a blank one
+    if os.environ.get("MARSI_DOCS_SCREENSHOT") == "1":
+        shutil.copy(shot, ROOT / "docs" / "report.png")
