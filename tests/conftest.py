@@ -26,5 +26,6 @@ def pytest_collection_modifyitems(items):
     """Mark the fast tier (`make test-fast`, `pytest -m fast`): what needs no model training and no Ray."""
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if module in FAST_MODULES and "ray_cluster" not in item.fixturenames and not item.get_closest_marker("slow"):
+        if (module in FAST_MODULES and "ray_cluster" not in item.fixturenames
+                and not item.get_closest_marker("slow") and not item.get_closest_marker("subprocess")):
             item.add_marker(pytest.mark.fast)

@@ -81,6 +81,7 @@ def _runnable(lang):
     return [p for p in ALL if p.values[0] == lang and p.values[2] is None]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("lang, body, reason", _runnable("bash"))
 def test_bash_blocks_run(lang, body, reason, scratch):
     root, env = scratch
@@ -89,6 +90,7 @@ def test_bash_blocks_run(lang, body, reason, scratch):
         assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("lang, body, reason", _runnable("python"))
 def test_python_blocks_run(lang, body, reason, scratch):
     root, env = scratch
@@ -106,6 +108,7 @@ def test_yaml_blocks_follow_the_config_schema(lang, body, reason):
         TypeAdapter(RunConfig.model_fields[section].annotation).validate_python(value)
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None,
                     reason="needs the docs extra (make setup installs it)")
 def test_the_site_builds_without_warnings(tmp_path):
