@@ -189,3 +189,15 @@ def test_a_run_that_fails_to_start_leaves_nothing_in_storage(tmp_path):
     with pytest.raises(Exception, match="exceed the model's context"):
         Coordinator(validate_config(raw), tmp_path / "run").start()
     assert not (tmp_path / "run").exists() and list((tmp_path / "store").iterdir()) == []
+
+
+@pytest.mark.parametrize("root", ["path", "file"])
+def test_a_commit_record_is_moved_over_the_old_one(tmp_path, root):
+    """`commit_bytes` writes beside the place, then moves over it: the new record replaces the old, and
+    nothing is left beside it."""
+    base = Location.parse(tmp_path) if root == "path" else Location(f"file://{tmp_path}")
+    record = base / "checkpoints" / "step-000001" / "coordinator.json"
+    storage.commit_bytes(record, b"old")
+    storage.commit_bytes(record, b"new")
+    assert storage.read_bytes(record) == b"new"
+    assert storage.file_sizes(base / "checkpoints") == {"step-000001/coordinator.json": 3}
