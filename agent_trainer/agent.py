@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 from agent_trainer import storage
 from agent_trainer.dispatch import Dispatch, check_registered, register
-from agent_trainer.storage import LoadRequest, ProbeRequest, SaveRequest
 from protocols.messages import (
-    GenerateRequest, GenerateResult, ScoreRequest, StoredFiles, UpdateRequest, UpdateResult, WeightDigests,
+    GenerateRequest, GenerateResult, LoadRequest, ProbeRequest, SaveRequest, ScoreRequest, StoredFiles, UpdateRequest,
+    UpdateResult, WeightDigests,
 )
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class Agent:
 
     @register(Dispatch.ALL_TRUE)
     def probe(self, request: ProbeRequest) -> bool:
-        return storage.probe(self._trainer, where=request.where, token=request.token, agent=request.agent)
+        return storage.probe(where=request.where, token=request.token, agent=request.agent)
 
     @register(Dispatch.RANK_ZERO)
     def digest(self) -> str:

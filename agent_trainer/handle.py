@@ -16,10 +16,10 @@ import abc
 from typing import Any, Callable, Iterable, Mapping, Protocol, TypeVar
 
 from agent_trainer.agent import Agent
-from agent_trainer.storage import LoadRequest, ProbeRequest, SaveRequest
 from protocols.errors import UserError
 from protocols.messages import (
-    GenerateRequest, GenerateResult, ScoreRequest, StoredFiles, UpdateRequest, UpdateResult, WeightDigests,
+    GenerateRequest, GenerateResult, LoadRequest, ProbeRequest, SaveRequest, ScoreRequest, StoredFiles, UpdateRequest,
+    UpdateResult, WeightDigests,
 )
 
 A = TypeVar("A")

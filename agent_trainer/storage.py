@@ -1,20 +1,24 @@
-"""Checkpoint storage: where checkpoints live, and how a trainer puts its files there and gets them back.
+"""The checkpoint store: where checkpoints live, and how a trainer puts its files there and gets them back.
 
-`train.storage` chooses one of two kinds:
+Every place in it is a `Location` (`protocols/messages.py`): a filesystem URI and a key below it, reached
+through `pyarrow.fs`, the filesystem layer Ray's own storage uses. `train.storage` chooses the store:
 
-- **The run directory** (default): `RUN_DIR/checkpoints`, a plain local path (a `pathlib.Path`). Every node
-  that hosts a trainer must see it (one machine, or a filesystem all nodes share): trainers write their
-  files into it directly and the coordinator renames the checkpoint into place. The coordinator checks
-  at start that every trainer's node sees it (`probe`).
-- **A filesystem URI** (`s3://`, `gs://`, `hdfs://`, `file://`, or an absolute path on a shared filesystem
-  such as NFS), reached through `pyarrow.fs`, the filesystem layer Ray's own storage uses. A place in it is
-  a `Location`. Each trainer saves into a node-local staging directory (under the node's TMPDIR), uploads
-  its files, reports their checksums and sizes, and removes the staging directory; a restore downloads
-  into a staging directory on the trainer's node, checks every file against the manifest, loads, and
-  removes it. Nothing passes through the coordinator, and no file is ever held whole in memory.
+- **The run directory** (default): `RUN_DIR/checkpoints`, a `file://` location (written as its absolute
+  path). Every node that hosts a trainer must see it (one machine, or a filesystem all nodes share).
+- **A filesystem URI**: `s3://`, `gs://`, `hdfs://`, `file://`, or an absolute path on a shared filesystem
+  such as NFS.
 
-The functions `save`, `load` and `probe` run in a trainer's process (Ray actor or in-process) with the
-trainer as first argument: the agent's handle methods of those names (`agent_trainer.agent.Agent`) call them.
+One code path serves both; the coordinator checks at start that every trainer's node reaches the store
+(`probe`). A trainer writes its checkpoint files and reports their checksums and sizes: on a filesystem
+this node mounts (`on_disk`: the run directory, `file://`, NFS) in place; on any other (an object store)
+into a node-local staging directory (under the node's TMPDIR), uploaded, then removed. A load checks
+every file against the checkpoint's manifest on the trainer's node (in place, or as it is downloaded into
+staging) before anything is loaded. Nothing passes through the coordinator, and no file is ever held
+whole in memory.
+
+The functions `save`, `load` and `probe` run in a trainer's process (Ray actor or in-process): the agent's
+handle methods of those names (`agent_trainer.agent.Agent`) call them with the typed requests of
+`protocols/messages.py`.
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from protocols.errors import UserError
-from protocols.messages import StoredFiles
+from protocols.messages import Location, StoredFiles
+
+__all__ = ["Location", "StorageError", "save", "load", "probe"]
 
 CHUNK = 8 << 20  # bytes read or written at a time: a file is streamed, never held whole
 STAGING_PREFIX = "marsi-ckpt-"  # node-local staging directories: marsi-ckpt-<pid>-<random>
@@ -54,70 +59,62 @@ def _filesystem(root: str):
                            "URI and, for object stores, the credentials") from None
 
 
-@dataclass(frozen=True)
-class Location:
-    """A directory in URI storage: `root` (the `train.storage` value) and a `/`-separated `key` below it.
-    Behaves like a path where the coordinator needs one: `loc / "agents"`, `loc.name`, `str(loc)` (the URI)."""
-
-    root: str
-    key: str = ""
-
-    @classmethod
-    def parse(cls, uri: str) -> Location:
-        return cls(uri.rstrip("/"))
-
-    def __truediv__(self, part: str) -> Location:
-        return Location(self.root, f"{self.key}/{part}".strip("/"))
-
-    @property
-    def name(self) -> str:
-        return (self.key or self.root.rstrip("/")).rsplit("/", 1)[-1]
-
-    @property
-    def parent(self) -> Location:
-        return Location(self.root, self.key.rsplit("/", 1)[0] if "/" in self.key else "")
-
-    def __str__(self) -> str:
-        return f"{self.root.rstrip('/')}/{self.key}" if self.key else self.root
-
-    @property
-    def fs(self):
-        return _filesystem(self.root)[0]
-
-    @property
-    def path(self) -> str:
-        """This location's path inside its filesystem."""
-        base = _filesystem(self.root)[1].rstrip("/")
-        return f"{base}/{self.key}" if self.key else base
+def _fs(loc: Location):
+    """(pyarrow filesystem, this location's path inside it)."""
+    filesystem, base = _filesystem(loc.root)
+    base = base.rstrip("/")
+    return filesystem, f"{base}/{loc.key}" if loc.key else (base or "/")
 
 
-# -------------------------------------------------------------------------- files in URI storage
+def on_disk(loc: Location) -> Path | None:
+    """`loc` as a path on this node's disk when its filesystem is one this node mounts (written and read in
+    place), else None (an object store: files are staged on this node)."""
+    from pyarrow import fs
+
+    filesystem, path = _fs(loc)
+    return Path(path) if isinstance(filesystem, fs.LocalFileSystem) else None
+
+
+# ------------------------------------------------------------------------------ files in the store
 def read_bytes(loc: Location) -> bytes:
-    with loc.fs.open_input_stream(loc.path) as f:
+    filesystem, path = _fs(loc)
+    with filesystem.open_input_stream(path) as f:
         return f.read()
 
 
 def write_bytes(loc: Location, data: bytes) -> None:
+    filesystem, path = _fs(loc)
     _make_parent(loc)
-    with loc.fs.open_output_stream(loc.path) as f:
+    with filesystem.open_output_stream(path) as f:
         f.write(data)
+
+
+def commit_bytes(loc: Location, data: bytes) -> None:
+    """Write `data` at `loc` so that it is there whole or not at all: written beside it under a temporary
+    name, then moved over it (a rename on a filesystem; an object store's copy is whole too)."""
+    filesystem, path = _fs(loc)
+    tmp = loc.parent / f".{loc.name}.tmp"
+    write_bytes(tmp, data)
+    filesystem.move(_fs(tmp)[1], path)
 
 
 def exists(loc: Location) -> bool:
     from pyarrow import fs
 
-    return loc.fs.get_file_info(loc.path).type != fs.FileType.NotFound
+    filesystem, path = _fs(loc)
+    return filesystem.get_file_info(path).type != fs.FileType.NotFound
 
 
 def file_sizes(loc: Location) -> dict[str, int]:
     """Every file below `loc` (relative `/`-separated name -> size in bytes); empty if there is none."""
     from pyarrow import fs
 
+    filesystem, path = _fs(loc)
     try:
-        infos = loc.fs.get_file_info(fs.FileSelector(loc.path, recursive=True, allow_not_found=True))
+        infos = filesystem.get_file_info(fs.FileSelector(path, recursive=True, allow_not_found=True))
     except FileNotFoundError:
         return {}
-    base = loc.path.rstrip("/") + "/"
+    base = path.rstrip("/") + "/"
     return {i.path[len(base):]: i.size for i in infos if i.type == fs.FileType.File and i.path.startswith(base)}
 
 
@@ -125,40 +122,51 @@ def subdirectories(loc: Location) -> list[str]:
     """Names of the directories (prefixes) directly below `loc`."""
     from pyarrow import fs
 
+    filesystem, path = _fs(loc)
     try:
-        infos = loc.fs.get_file_info(fs.FileSelector(loc.path, recursive=False, allow_not_found=True))
+        infos = filesystem.get_file_info(fs.FileSelector(path, recursive=False, allow_not_found=True))
     except FileNotFoundError:
         return []
     return [i.base_name for i in infos if i.type == fs.FileType.Directory]
 
 
+def delete_file(loc: Location) -> None:
+    """Delete the file at `loc` (nothing if absent)."""
+    filesystem, path = _fs(loc)
+    try:
+        filesystem.delete_file(path)
+    except FileNotFoundError:
+        pass
+
+
 def delete(loc: Location, *, first: str | None = None) -> None:
     """Delete everything below `loc` (nothing if absent); `first`, a file name in it, goes before the rest
     (a checkpoint's commit record, so that a deletion cut short never leaves a listed, partial checkpoint)."""
-    from pyarrow import fs
-
     if first is not None:
         try:
-            loc.fs.delete_file((loc / first).path)
-        except (FileNotFoundError, OSError):
+            delete_file(loc / first)
+        except OSError:
             pass
-    if loc.fs.get_file_info(loc.path).type != fs.FileType.NotFound:
-        loc.fs.delete_dir(loc.path)
+    if exists(loc):
+        filesystem, path = _fs(loc)
+        filesystem.delete_dir(path)
 
 
 def make_dirs(loc: Location) -> None:
-    loc.fs.create_dir(loc.path, recursive=True)
+    filesystem, path = _fs(loc)
+    filesystem.create_dir(path, recursive=True)
 
 
 def _make_parent(loc: Location) -> None:
     if loc.key and "/" in loc.key:  # object stores have no directories; a local filesystem needs them
-        loc.fs.create_dir(loc.parent.path, recursive=True)
+        make_dirs(loc.parent)
 
 
 def upload(local: Path, dest: Location) -> dict[str, tuple[str, int]]:
     """Stream every file under `local` to `dest`, hashing as it goes: relative name -> (sha256, size)."""
     files = {}
     made = set()
+    filesystem = _fs(dest)[0]
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         name = path.relative_to(local).as_posix()
         target = dest / name
@@ -166,7 +174,7 @@ def upload(local: Path, dest: Location) -> dict[str, tuple[str, int]]:
             _make_parent(target)
             made.add(target.parent.key)
         digest, size = hashlib.sha256(), 0
-        with open(path, "rb") as src, dest.fs.open_output_stream(target.path) as out:
+        with open(path, "rb") as src, filesystem.open_output_stream(_fs(target)[1]) as out:
             while chunk := src.read(CHUNK):
                 digest.update(chunk)
                 out.write(chunk)
@@ -175,21 +183,34 @@ def upload(local: Path, dest: Location) -> dict[str, tuple[str, int]]:
     return files
 
 
-def download(src: Location, files: dict[str, str], local: Path) -> str | None:
-    """Stream the `files` (relative name -> sha256) under `src` into `local`, hashing as it goes; why the
-    copy cannot be trusted (a missing file, or one that does not match its checksum), or None."""
+def download(src: Location, files: dict[str, str | None], local: Path) -> str | None:
+    """Stream the `files` (relative name -> sha256, None: unchecked) under `src` into `local`, hashing as it
+    goes; why the copy cannot be trusted (a missing file, or one that does not match its checksum), or None."""
+    filesystem = _fs(src)[0]
     for name, expected in sorted(files.items()):
         target = local / name
         target.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
         try:
-            with src.fs.open_input_stream((src / name).path) as f, open(target, "wb") as out:
+            with filesystem.open_input_stream(_fs(src / name)[1]) as f, open(target, "wb") as out:
                 while chunk := f.read(CHUNK):
                     digest.update(chunk)
                     out.write(chunk)
         except FileNotFoundError:
             return f"{name} is missing"
-        if digest.hexdigest() != expected:
+        if expected is not None and digest.hexdigest() != expected:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def check_tree(local: Path, files: dict[str, str]) -> str | None:
+    """Why the `files` (relative name -> sha256) under `local` cannot be trusted (one missing, or one that
+    does not match its checksum), or None."""
+    for name, expected in sorted(files.items()):
+        path = local / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if sha256(path) != expected:
             return f"{name} does not match its checksum"
     return None
 
@@ -245,39 +266,14 @@ def _alive(pid: int) -> bool:
 
 
 # ------------------------------------------------------------ what runs in a trainer's process
-@dataclass(frozen=True)
-class SaveRequest:
-    """Save the agent's checkpoint files at `target` (its directory of the checkpoint being written)."""
-
-    target: Path | Location
-
-
-@dataclass(frozen=True)
-class LoadRequest:
-    """Load the agent from its checkpoint files at `source`; `files` (name -> sha256) checks a copy from storage."""
-
-    source: Path | Location
-    files: dict[str, str] | None = None
-
-
-@dataclass(frozen=True)
-class ProbeRequest:
-    """Whether this node sees the probe file `token` at `where`; the answer is written beside it for `agent`."""
-
-    where: Path | Location
-    token: str
-    agent: str
-
-
-def save(trainer: Any, *, target: Path | Location) -> StoredFiles:
-    """Save `trainer` (its `save(path)`) at `target` and report every file it wrote with checksum and size.
-    A Path is a directory the coordinator made in the shared run directory: written in place. A Location: staged on this node, uploaded, unstaged."""
-    if isinstance(target, Path):
-        if not target.is_dir():  # the coordinator made it: a node that does not see it does not share the directory
-            raise StorageError(f"{target} (made by the coordinator) is not on this node, so the run directory "
-                               "is not shared with it; set train.storage to a URI every node reaches")
-        trainer.save(target)
-        files = hash_tree(target)
+def save(trainer: Any, *, target: Location) -> StoredFiles:
+    """Save `trainer` (its `save(path)`) at `target` and report every file it wrote with checksum and size:
+    in place where this node mounts the store, else staged on this node, uploaded and unstaged."""
+    place = on_disk(target)
+    if place is not None:
+        place.mkdir(parents=True, exist_ok=True)
+        trainer.save(place)
+        files = hash_tree(place)
     else:
         with staging() as local:
             trainer.save(local)
@@ -286,36 +282,31 @@ def save(trainer: Any, *, target: Path | Location) -> StoredFiles:
                        sizes={name: size for name, (_, size) in files.items()})
 
 
-def load(trainer: Any, *, source: Path | Location, files: dict[str, str] | None = None) -> str | None:
-    """Load `trainer` from the checkpoint files at `source`. A Location is downloaded to this node first and
-    every file checked against `files` (name -> sha256); returns why that copy is damaged (nothing is
-    loaded then), else None."""
-    if isinstance(source, Path):
-        trainer.load(source)
-        return None
+def load(trainer: Any, *, source: Location, files: dict[str, str] | None = None) -> str | None:
+    """Load `trainer` from the checkpoint files at `source`, each checked first against `files` (name ->
+    sha256; None: a directory given by hand, loaded as it is), in place or as it is downloaded to this node;
+    returns why the checkpoint is damaged (nothing is loaded then), else None."""
+    place = on_disk(source)
+    if place is not None:
+        problem = check_tree(place, files) if files is not None else None
+        if problem is None:
+            trainer.load(place)
+        return problem
     with staging() as local:
-        problem = download(source, files or {}, local)
+        wanted = files if files is not None else dict.fromkeys(file_sizes(source))
+        problem = download(source, wanted, local)
         if problem is None:
             trainer.load(local)
     return problem
 
 
-def probe(trainer: Any, *, where: Path | Location, token: str, agent: str) -> bool:
+def probe(*, where: Location, token: str, agent: str) -> bool:
     """Whether this node sees the probe file the coordinator wrote at `where`; if so, write this agent's
     answer beside it (so that writing is checked too). Nothing is written where the probe is not seen."""
-    mine = f"{PROBE_PREFIX}{token}-{agent}"
-    if isinstance(where, Path):
-        try:
-            seen = (where / f"{PROBE_PREFIX}{token}").read_text() == token
-        except OSError:
-            return False
-        if seen:
-            (where / mine).write_text(token)
-        return seen
     try:
-        seen = read_bytes(where / f"{PROBE_PREFIX}{token}").decode() == token
+        seen = read_bytes(where / f"{PROBE_PREFIX}{token}") == token.encode()
     except OSError:
         return False
     if seen:
-        write_bytes(where / mine, token.encode())
+        write_bytes(where / f"{PROBE_PREFIX}{token}-{agent}", token.encode())
     return seen

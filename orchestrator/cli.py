@@ -381,7 +381,7 @@ def _checkpoint_names(which: str, log) -> list[str]:
     return [which]
 
 
-def _checkpoint_path(name: str, log) -> Path:
+def _checkpoint_path(name: str, log):
     from protocols.config import ConfigError
 
     found = log.checkpoints()  # oldest first
@@ -483,24 +483,18 @@ def cmd_export(args) -> int:
 
 
 def _export(agent, checkpoint, name: str, out: Path) -> None:
-    """Write agent `name`'s model of `checkpoint` (fetched from storage first when it lies there) to `out`."""
+    """Write agent `name`'s model of `checkpoint` to `out`: its files are fetched from the store into a
+    temporary directory, each checked against the checkpoint's manifest."""
     import tempfile
 
-    from orchestrator.runlog import read_checkpoint_state
+    from agent_trainer import storage
+    from orchestrator.runlog import agent_files
 
     with tempfile.TemporaryDirectory(prefix="marsi-export-") as tmp:
-        source = checkpoint / "agents" / name
-        if not isinstance(source, Path):  # in train.storage: fetch this agent's files, checked against the manifest
-            from agent_trainer import storage
-
-            prefix = f"agents/{name}/"
-            files = {n[len(prefix):]: d for n, d in read_checkpoint_state(checkpoint)["manifest"].items()
-                     if n.startswith(prefix)}
-            problem = storage.download(source, files, Path(tmp))
-            if problem:
-                raise FileNotFoundError(f"checkpoint {checkpoint}: {prefix}{problem}")
-            source = Path(tmp)
-        model, tokenizer = _exported_model(agent, source)
+        problem = storage.download(checkpoint / "agents" / name, agent_files(checkpoint, name), Path(tmp))
+        if problem:
+            raise FileNotFoundError(f"checkpoint {checkpoint}: agents/{name}/{problem}")
+        model, tokenizer = _exported_model(agent, Path(tmp))
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
 

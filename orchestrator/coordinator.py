@@ -22,21 +22,22 @@ from agent_trainer import storage
 from agent_trainer.agent import Agent
 from agent_trainer.handle import TrainerFailure, TrainerPool
 from agent_trainer.precision import emulation_warning
-from agent_trainer.storage import LoadRequest, Location, ProbeRequest, SaveRequest, StorageError
+from agent_trainer.storage import StorageError
 from orchestrator import rollout
 from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines, zero_variance_shares
 from orchestrator.console import phase, progress
 from orchestrator.data import DataPosition, load_samples, next_batch
 from orchestrator.evaluation import Evaluation, partner_agents
 from orchestrator.runlog import (
-    EVAL_TRANSCRIPTS, Checkpoint, CheckpointName, RunDirError, RunLog, as_checkpoint, checkpoint_problem,
+    EVAL_TRANSCRIPTS, CheckpointName, RunDirError, RunLog, agent_files, as_checkpoint, checkpoint_problem,
     read_checkpoint_state,
 )
 from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
 from protocols.config import ConfigError, RunConfig, load_config
 from protocols.errors import UserError
 from protocols.messages import (
-    Completion, Experience, GenerateRequest, Prompt, UpdateRequest, UpdateResult, check_experiences,
+    Completion, Experience, GenerateRequest, LoadRequest, Location, ProbeRequest, Prompt, SaveRequest, UpdateRequest,
+    UpdateResult, check_experiences,
 )
 
 
@@ -81,7 +82,7 @@ class Coordinator:
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging, config.train.storage) if run_dir is not None else None
         self.pool: TrainerPool | None = None  # every agent's handle: self.pool[agent]
-        self.restored_from: Checkpoint | None = None
+        self.restored_from: Location | None = None
         self.restarts = 0
         self.stop_requested = False
         self._owns_ray = False
@@ -167,13 +168,13 @@ class Coordinator:
 
     def _check_storage_reach(self) -> None:
         """With Ray, trainers may run on other nodes: each must see where checkpoints go (the run directory,
-        or train.storage). The coordinator writes a probe file there; each trainer reads it on its own node
+        or train.storage). The coordinator writes a probe file among the run's checkpoints; each trainer reads it on its own node
         and, if it sees it, writes its answer beside it, which the coordinator must then see. A node that
         does not see the probe writes nothing, so a failed check leaves no file on any node."""
         if self.log is None or not self.config.ray.enabled:
             return
         agents, token = list(self.config.agents), secrets.token_hex(8)
-        where = self.log.probe_location()
+        where = self.log.checkpoint_dir()
         self.log.write_probe(token)
         try:
             seen = self.pool.each(Agent.probe, {a: ProbeRequest(where=where, token=token, agent=a) for a in agents},
@@ -184,7 +185,7 @@ class Coordinator:
         if blind:
             agent = blind[0]
             node = self.pool.info()[agent].get("node_label", "its node")
-            if isinstance(where, Location):
+            if self.log.storage is not None:
                 raise StorageError(
                     f"train.storage {self.log.storage} is not the same storage on {node}, which hosts agent {agent!r} (a "
                     f"file this coordinator wrote to {where} is not visible there); give train.storage a URI or shared "
@@ -293,7 +294,7 @@ class Coordinator:
         self.state.episodes += len(episodes)
         return episodes
 
-    def checkpoint(self, step: int | None = None) -> Checkpoint:
+    def checkpoint(self, step: int | None = None) -> Location:
         """Save every trainer and the coordinator state (with `loop_state`) under checkpoints/step-N,
         atomically. Custom loops pass the `step` they reached; `run()` keeps its own count."""
         if self.log is None:
@@ -313,15 +314,14 @@ class Coordinator:
             self.state.step = step
         return self._save_checkpoint()
 
-    def _save_checkpoint(self) -> Checkpoint:
-        """Each trainer writes its files (into the run directory, or staged on its node and uploaded to
-        train.storage) and reports them with checksums and sizes; the coordinator commits the checkpoint
-        once every reported file is there, with all of them in its manifest."""
+    def _save_checkpoint(self) -> Location:
+        """Each trainer writes its files into the store (`agent_trainer.storage.save`) and reports them with
+        checksums and sizes; the coordinator commits the checkpoint once every reported file is there, with
+        all of them in its manifest."""
         staging = self.log.staging_path(self.state.step)
         try:
-            places = self.log.agent_places(staging, list(self.config.agents))
-            stored = self.pool.each(Agent.save, {a: SaveRequest(target=place) for a, place in places.items()},
-                                    timeout=self.config.train.checkpoint_timeout_s)
+            requests = {a: SaveRequest(target=staging / "agents" / a) for a in self.config.agents}
+            stored = self.pool.each(Agent.save, requests, timeout=self.config.train.checkpoint_timeout_s)
             files = {f"agents/{a}/{name}": (digest, report.sizes[name])
                      for a, report in stored.items() for name, digest in report.files.items()}
             return self.log.commit_checkpoint(staging, self.state.step, asdict(self.state), self.config.train.keep_checkpoints,
@@ -334,21 +334,15 @@ class Coordinator:
                 raise RunDirError(problem) from exc
             raise
 
-    def _load_trainers(self, checkpoint: Checkpoint) -> str | None:
-        """Every trainer loads its files of `checkpoint` (from storage: downloaded to its node and checked
-        against the manifest there); why the checkpoint is damaged, or None once all have loaded."""
-        files: dict[str, dict[str, str]] = {a: {} for a in self.config.agents}
-        if isinstance(checkpoint, Location):
-            for name, digest in read_checkpoint_state(checkpoint)["manifest"].items():
-                agent, _, rest = name.removeprefix("agents/").partition("/")
-                if name.startswith("agents/") and agent in files:
-                    files[agent][rest] = digest
-        requests = {a: LoadRequest(source=checkpoint / "agents" / a, files=files[a] if isinstance(checkpoint, Location) else None)
+    def _load_trainers(self, checkpoint: Location) -> str | None:
+        """Every trainer loads its files of `checkpoint`, each checked against the manifest on its node first;
+        why the checkpoint is damaged, or None once all have loaded."""
+        requests = {a: LoadRequest(source=checkpoint / "agents" / a, files=agent_files(checkpoint, a))
                     for a in self.config.agents}
         problems = self.pool.each(Agent.load, requests, timeout=self.config.train.checkpoint_timeout_s)
         return next((f"agents/{a}/{p}" for a, p in problems.items() if p), None)
 
-    def restore(self, path: str | Path | Location | None = None) -> Checkpoint:
+    def restore(self, path: str | Path | Location | None = None) -> Location:
         """Load every trainer and the coordinator state from `path` (a run-directory path or a storage URI);
         by default from the newest checkpoint that is intact, falling back to older ones (and saying so)
         when the newest is damaged (a missing, truncated or altered file). A trainer that dies or hangs while
@@ -548,12 +542,9 @@ def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
 
 
 @contextlib.contextmanager
-def _saved_model_config(saved: Checkpoint):
-    """A local directory holding the config.json of a checkpoint's saved model (fetched from storage into
+def _saved_model_config(saved: Location):
+    """A local directory holding the config.json of a checkpoint's saved model (fetched from the store into
     a temporary directory), or None when the checkpoint holds no weights (a frozen agent's)."""
-    if not isinstance(saved, Location):
-        yield saved if saved.is_dir() else None
-        return
     with tempfile.TemporaryDirectory(prefix="marsi-config-") as tmp:
         try:
             (Path(tmp) / "config.json").write_bytes(storage.read_bytes(saved / "config.json"))

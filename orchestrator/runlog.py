@@ -13,12 +13,14 @@ second live process out. Files are never rewritten in place: a cut-back file is 
 old one and renamed over it. `coordinator.json` is written last and carries a checksum (and size) of
 every other file of its checkpoint, as the trainers that wrote them reported, and of itself.
 
-With `train.storage` set, checkpoints live at `STORAGE/RUN_NAME/checkpoints/step-N/` instead (a
-`Location`, see agent_trainer/storage.py), with the same layout; the rest of the run directory stays
-on the coordinator's machine. A URI store has no atomic rename: trainers upload straight into
-`step-N/` and the checkpoint counts once `coordinator.json` is there; rewriting or pruning a checkpoint
-deletes its `coordinator.json` first, and uncommitted `step-N/` prefixes left by a crash are removed at
-the next commit. Functions here take a checkpoint as a `Path` (run directory) or a `Location`.
+With `train.storage` set, checkpoints live at `STORAGE/RUN_NAME/checkpoints/step-N/` instead, with the
+same layout; the rest of the run directory stays on the coordinator's machine. Either way a checkpoint
+is a `Location` in the checkpoint store (agent_trainer/storage.py; `RUN_DIR/checkpoints` is a `file://`
+location), written, committed, listed, checked and pruned the same way: trainers write straight into
+`step-N/`, and the checkpoint counts once `coordinator.json` is there (put in place whole, last).
+Rewriting or pruning a checkpoint deletes its `coordinator.json` first, and uncommitted directories
+left by a crash (`step-N/` without it; `.tmp-step-N/` of earlier marsi versions) are removed at the
+next commit.
 """
 
 from __future__ import annotations
@@ -39,12 +41,11 @@ from typing import Any, ClassVar, Iterator
 import yaml
 
 from agent_trainer import storage
-from agent_trainer.storage import Location, StorageError
+from agent_trainer.storage import StorageError
 from protocols.config import LoggingConfig, RunConfig
 from protocols.errors import UserError
+from protocols.messages import Location
 
-Checkpoint = Path | Location
-"""A checkpoint directory: in the run directory, or in `train.storage`."""
 CHECKPOINT_DONE = "coordinator.json"  # written last: a checkpoint without it is incomplete
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 TRANSCRIPTS = "transcripts.jsonl"
@@ -70,7 +71,7 @@ class CheckpointName:
         return cls(int(digits))
 
     @classmethod
-    def of(cls, checkpoint: Checkpoint) -> CheckpointName:
+    def of(cls, checkpoint: Location) -> CheckpointName:
         """The name of a checkpoint directory (one `RunLog.checkpoints` lists)."""
         name = cls.parse(checkpoint.name)
         if name is None:
@@ -143,16 +144,15 @@ class RunLog:
         lock.flush()
         self._lock = lock
         try:
-            if self.storage is not None:
-                self._claim_storage(resume)
+            self._claim_storage(resume)
             self.sinks = _sinks(self.logging, self.dir)
         except BaseException:
             self.release()
             raise
 
     def _claim_storage(self, resume: bool) -> None:
-        """A new run's place in train.storage must hold no other run's checkpoints; it is made now, so an
-        unreachable store fails before any trainer starts."""
+        """A new run's place in the store must hold no other run's checkpoints (in the run directory, which
+        holds no run, it holds none); it is made now, so an unreachable store fails before any trainer starts."""
         root = self.checkpoint_dir()
         try:
             if not resume and self.checkpoints():
@@ -160,21 +160,27 @@ class RunLog:
                                   "give a new --run-dir (its name names the run's place in storage) or another train.storage")
             storage.make_dirs(root)
         except OSError as exc:
-            raise StorageError(f"train.storage {self.storage}: cannot use {root} ({' '.join(str(exc).split())}); "
+            store = f"train.storage {self.storage}" if self.storage else "the run directory"
+            raise StorageError(f"{store}: cannot use {root} ({' '.join(str(exc).split())}); "
                                "check the URI, that it exists and is writable, and for object stores the credentials") from None
+
+    def _remove_empty_place(self) -> None:
+        """Remove the run's place in the store (the run directory, or STORAGE/RUN_NAME), made at claim, if it
+        holds no file."""
+        place = self.checkpoint_dir().parent
+        with contextlib.suppress(OSError):
+            if not storage.file_sizes(place):
+                storage.delete(place)
 
     def release(self) -> None:
         """Give up the directory; one that still holds nothing (a run that failed to start) is removed."""
         if self._lock is None:
             return
-        if self.dir.is_dir() and {p.name for p in self.dir.iterdir()} <= {".lock"}:
+        if self.dir.is_dir() and {p.name for p in self.dir.iterdir()} <= {".lock", "checkpoints"}:
             (self.dir / ".lock").unlink(missing_ok=True)
+            self._remove_empty_place()
             with contextlib.suppress(OSError):
                 self.dir.rmdir()
-            place = self.checkpoint_dir()
-            with contextlib.suppress(OSError):  # and its place in storage, made at claim, if still empty
-                if isinstance(place, Location) and not storage.file_sizes(place.parent):
-                    storage.delete(place.parent)
         self._lock.close()  # closing the file drops the flock; a killed process drops it too
         self._lock = None
 
@@ -233,11 +239,11 @@ class RunLog:
             return False
         for name in ("config.yaml", "metrics.jsonl", "transcripts.jsonl", ".lock"):
             (self.dir / name).unlink(missing_ok=True)
-        for name in ("checkpoints", "source", "tensorboard"):
+        for name in ("source", "tensorboard"):
             shutil.rmtree(self.dir / name, ignore_errors=True)
-        if isinstance(self.checkpoint_dir(), Location):  # this run's place in storage (a new run found it empty)
-            with contextlib.suppress(OSError):
-                storage.delete(self.checkpoint_dir().parent)
+        with contextlib.suppress(OSError):  # its checkpoints (a new run found their place empty)
+            storage.delete(self.checkpoint_dir())
+        self._remove_empty_place()
         with contextlib.suppress(OSError):
             self.dir.rmdir()  # only if nothing else is in it
         return True
@@ -291,55 +297,31 @@ class RunLog:
         return read_jsonl(self.dir / "metrics.jsonl")
 
     # -------------------------------------------------------------------------------- checkpoints
-    def checkpoint_dir(self) -> Checkpoint:
+    def checkpoint_dir(self) -> Location:
         """Where this run's checkpoints go: RUN_DIR/checkpoints, or STORAGE/RUN_NAME/checkpoints."""
         if self.storage is None:
-            return self.dir / "checkpoints"
+            return Location.parse(self.dir) / "checkpoints"
         return Location.parse(self.storage) / self.dir.resolve().name / "checkpoints"
 
-    def staging_path(self, step: int) -> Checkpoint:
-        """Where to write the checkpoint of `step`: a fresh temporary directory of the run directory, or the
-        checkpoint's own place in storage, emptied (its commit record first)."""
-        root = self.checkpoint_dir()
-        if isinstance(root, Location):
-            place = root / str(CheckpointName(step))
-            storage.delete(place, first=CHECKPOINT_DONE)
-            return place
-        path = root / f".tmp-{CheckpointName(step)}"
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-        return path
+    def staging_path(self, step: int) -> Location:
+        """Where to write the checkpoint of `step`: its own place in the store, emptied (its commit record first)."""
+        place = self.checkpoint_dir() / str(CheckpointName(step))
+        storage.delete(place, first=CHECKPOINT_DONE)
+        return place
 
-    def agent_places(self, staging: Checkpoint, agents: list[str]) -> dict[str, Checkpoint]:
-        """Where each agent's trainer writes its files of the checkpoint being written at `staging`; made here
-        in the run directory (a trainer that does not see it is on a node that does not share the directory)."""
-        places = {agent: staging / "agents" / agent for agent in agents}
-        for place in places.values():
-            if isinstance(place, Path):
-                place.mkdir(parents=True, exist_ok=True)
-        return places
+    def abort_checkpoint(self, staging: Location) -> None:
+        """Remove a checkpoint that will not be committed (it only takes space), its commit record first."""
+        with contextlib.suppress(OSError):
+            storage.delete(staging, first=CHECKPOINT_DONE)
 
-    def abort_checkpoint(self, staging: Checkpoint) -> None:
-        """Remove a checkpoint that will not be committed (it only takes space)."""
-        if isinstance(staging, Location):
-            with contextlib.suppress(OSError):
-                storage.delete(staging, first=CHECKPOINT_DONE)
-        else:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    def commit_checkpoint(self, staging: Checkpoint, step: int, state: dict[str, Any], keep: int,
-                          files: dict[str, tuple[str, int]] | None = None) -> Checkpoint:
+    def commit_checkpoint(self, staging: Location, step: int, state: dict[str, Any], keep: int,
+                          files: dict[str, tuple[str, int]]) -> Location:
         """Check that every file the trainers reported (`files`: name -> (sha256, size)) is there, write the
-        coordinator state with that manifest and a checksum of itself last, move the checkpoint into place
-        (run directory), keep the newest `keep`, and remove what failed checkpoints left. Without `files`
-        (a run directory only), every file under `staging` is hashed here."""
-        if files is None:
-            if isinstance(staging, Location):
-                raise ValueError("commit_checkpoint: a checkpoint in storage needs the trainers' file report")
-            files = storage.hash_tree(staging)
-        present = storage.file_sizes(staging) if isinstance(staging, Location) else None
+        coordinator state with that manifest and a checksum of itself last (whole or not at all), keep the
+        newest `keep`, and remove what failed checkpoints left."""
+        present = storage.file_sizes(staging)
         for name, (_, size) in sorted(files.items()):
-            found = present.get(name) if present is not None else _size(staging / name)
+            found = present.get(name)
             if found != size:
                 where = "is not there" if found is None else f"is {found} bytes there, not {size}"
                 raise StorageError(f"checkpoint {CheckpointName(step)}: {name}, which its trainer reported writing ({size} bytes), "
@@ -347,82 +329,52 @@ class RunLog:
                                    "checkpoint storage (train.storage)")
         record = {**state, "manifest": {name: digest for name, (digest, _) in files.items()},
                   "sizes": {name: size for name, (_, size) in files.items()}}
-        text = json.dumps({**record, "sha256": _digest(record)})
-        if isinstance(staging, Location):
-            storage.write_bytes(staging / CHECKPOINT_DONE, text.encode())
-            final = staging
-        else:
-            (staging / CHECKPOINT_DONE).write_text(text)
-            final = self.checkpoint_dir() / str(CheckpointName(step))
-            shutil.rmtree(final, ignore_errors=True)
-            staging.rename(final)
+        storage.commit_bytes(staging / CHECKPOINT_DONE, json.dumps({**record, "sha256": _digest(record)}).encode())
         for old in self.checkpoints()[:-keep]:
             self.abort_checkpoint(old)
-        self._sweep(keep=final)
-        return final
+        self._sweep(keep=staging)
+        return staging
 
-    def _sweep(self, keep: Checkpoint) -> None:
-        """Remove what earlier, failed checkpoints left: `.tmp-step-*` staging directories of the run
-        directory, or `step-N/` prefixes in storage that were never committed."""
+    def _sweep(self, keep: Location) -> None:
+        """Remove what earlier, failed checkpoints left: directories below the checkpoints that were never
+        committed (`step-N/` without its record; `.tmp-step-N/` of earlier marsi versions)."""
         root = self.checkpoint_dir()
-        if isinstance(root, Location):
-            for name in storage.subdirectories(root):
-                place = root / name
-                if place != keep and not storage.exists(place / CHECKPOINT_DONE):
-                    self.abort_checkpoint(place)
-        elif root.is_dir():
-            for path in root.glob(".tmp-step-*"):
-                shutil.rmtree(path, ignore_errors=True)
+        for name in storage.subdirectories(root):
+            place = root / name
+            if place != keep and not storage.exists(place / CHECKPOINT_DONE):
+                self.abort_checkpoint(place)
 
-    def checkpoints(self) -> list[Checkpoint]:
+    def checkpoints(self) -> list[Location]:
         """Complete checkpoints, oldest first (by step number, not by name)."""
         root = self.checkpoint_dir()
-        if isinstance(root, Location):
-            found = [root / name for name in storage.subdirectories(root) if CheckpointName.parse(name)]
-            found = [c for c in found if storage.exists(c / CHECKPOINT_DONE)]
-        else:
-            if not root.exists():
-                return []
-            found = [p for p in root.glob(f"{CheckpointName.PREFIX}*")
-                     if CheckpointName.parse(p.name) and (p / CHECKPOINT_DONE).exists()]
-        return sorted(found, key=CheckpointName.of)
+        found = [root / name for name in storage.subdirectories(root) if CheckpointName.parse(name)]
+        return sorted((c for c in found if storage.exists(c / CHECKPOINT_DONE)), key=CheckpointName.of)
 
-    def find_checkpoint(self, name: str) -> Checkpoint | None:
+    def find_checkpoint(self, name: str) -> Location | None:
         """The complete checkpoint a user names (`step-000015` or `step-15`), or None."""
         wanted = CheckpointName.parse(name)
         return next((c for c in self.checkpoints() if CheckpointName.of(c) == wanted), None) if wanted else None
 
-    def latest_checkpoint(self) -> Checkpoint | None:
+    def latest_checkpoint(self) -> Location | None:
         found = self.checkpoints()
         return found[-1] if found else None
 
     # ------------------------------------------------------------------------------------ probes
-    def probe_location(self) -> Checkpoint:
-        """Where trainers prove they reach the run's checkpoint storage: the run directory, or the store."""
-        return self.dir if self.storage is None else self.checkpoint_dir()
-
     def write_probe(self, token: str) -> None:
-        where = self.probe_location()
-        if isinstance(where, Location):
-            storage.write_bytes(where / f"{storage.PROBE_PREFIX}{token}", token.encode())
-        else:
-            (where / f"{storage.PROBE_PREFIX}{token}").write_text(token)
+        """A file where trainers prove they reach the run's checkpoints (`agent_trainer.storage.probe`)."""
+        storage.write_bytes(self.checkpoint_dir() / f"{storage.PROBE_PREFIX}{token}", token.encode())
 
     def probe_answered(self, token: str, agent: str) -> bool:
-        where = self.probe_location() / f"{storage.PROBE_PREFIX}{token}-{agent}"
         try:
-            return (storage.read_bytes(where) if isinstance(where, Location) else where.read_bytes()) == token.encode()
+            answer = storage.read_bytes(self.checkpoint_dir() / f"{storage.PROBE_PREFIX}{token}-{agent}")
         except OSError:
             return False
+        return answer == token.encode()
 
     def remove_probes(self, token: str, agents: list[str]) -> None:
-        where = self.probe_location()
         for name in [f"{storage.PROBE_PREFIX}{token}", *(f"{storage.PROBE_PREFIX}{token}-{a}" for a in agents)]:
             with contextlib.suppress(OSError):
-                if isinstance(where, Location):
-                    where.fs.delete_file((where / name).path)
-                else:
-                    (where / name).unlink(missing_ok=True)
+                storage.delete_file(self.checkpoint_dir() / name)
 
 
 def recorded_storage(run_dir: Path) -> str | None:
@@ -435,27 +387,15 @@ def recorded_storage(run_dir: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def as_checkpoint(path: str | Path | Location) -> Checkpoint:
-    """A checkpoint given by the user: a URI (`s3://...`, `file://...`) is a Location, anything else a Path."""
-    if isinstance(path, (Path, Location)):
-        return path
-    return Location.parse(path) if "://" in path else Path(path)
+def as_checkpoint(path: str | Path | Location) -> Location:
+    """A checkpoint given by the user: a URI (`s3://...`, `file://...`) or a path (a `file://` location)."""
+    return path if isinstance(path, Location) else Location.parse(path)
 
 
-def _size(path: Path) -> int | None:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return None
-
-
-def read_checkpoint_state(path: Checkpoint) -> dict[str, Any]:
+def read_checkpoint_state(path: Location) -> dict[str, Any]:
     """The coordinator state of the checkpoint at `path`; ValueError unless it is whole and unaltered."""
     try:
-        if isinstance(path, Location):
-            raw = json.loads(storage.read_bytes(path / CHECKPOINT_DONE))
-        else:
-            raw = json.loads((path / CHECKPOINT_DONE).read_text())
+        raw = json.loads(storage.read_bytes(path / CHECKPOINT_DONE))
     except (OSError, ValueError) as exc:
         raise ValueError(f"{CHECKPOINT_DONE} unreadable ({type(exc).__name__})") from None
     if not isinstance(raw, dict) or "sha256" not in raw:
@@ -469,34 +409,32 @@ def read_checkpoint_state(path: Checkpoint) -> dict[str, Any]:
     return raw
 
 
-def checkpoint_problem(path: Checkpoint) -> str | None:
-    """Why the checkpoint at `path` must not be loaded (missing, truncated or altered file), or None. In
-    storage, files are checked for presence and size here; their checksums on the trainers' nodes as they
-    are downloaded (`agent_trainer.storage.load`), so that no agent's weights travel to the coordinator."""
+def checkpoint_problem(path: Location) -> str | None:
+    """Why the checkpoint at `path` must not be loaded (a missing, truncated or altered file), or None. Its
+    record and each file's presence and size are checked here; each file's checksum on the trainer's node
+    that loads it (`agent_trainer.storage.load`), so that no agent's weights travel to the coordinator."""
     try:
         state = read_checkpoint_state(path)
     except ValueError as exc:
         return str(exc)
-    manifest = state["manifest"]
-    if isinstance(path, Location):
-        try:
-            present = storage.file_sizes(path)
-        except OSError as exc:
-            return f"its files cannot be listed ({' '.join(str(exc).split())})"
-        for name in manifest:
-            if name not in present:
-                return f"{name} is missing"
-            recorded = state.get("sizes", {}).get(name)
-            if recorded is not None and present[name] != recorded:
-                return f"{name} does not match its checksum (it is {present[name]} bytes, not {recorded})"
-        return None
-    for name, digest in manifest.items():
-        file = path / name
-        if not file.is_file():
+    try:
+        present = storage.file_sizes(path)
+    except OSError as exc:
+        return f"its files cannot be listed ({' '.join(str(exc).split())})"
+    for name in state["manifest"]:
+        if name not in present:
             return f"{name} is missing"
-        if storage.sha256(file) != digest:
-            return f"{name} does not match its checksum"
+        recorded = state.get("sizes", {}).get(name)
+        if recorded is not None and present[name] != recorded:
+            return f"{name} does not match its checksum (it is {present[name]} bytes, not {recorded})"
     return None
+
+
+def agent_files(checkpoint: Location, agent: str) -> dict[str, str]:
+    """The files of `agent` in the checkpoint's manifest: name relative to its directory -> sha256."""
+    prefix = f"agents/{agent}/"
+    return {name.removeprefix(prefix): digest for name, digest in read_checkpoint_state(checkpoint)["manifest"].items()
+            if name.startswith(prefix)}
 
 
 def _source_file(spec: str) -> Path | None:

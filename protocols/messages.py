@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -179,3 +182,59 @@ class StoredFiles(_Message):
     """File name -> SHA-256 of its bytes, computed on the trainer's node as it wrote or uploaded them."""
     sizes: dict[str, int]
     """File name -> size in bytes (what the coordinator checks storage against before it commits)."""
+
+
+# ----------------------------------------------------------------------------------- checkpoint store
+@dataclass(frozen=True)
+class Location:
+    """A directory in the checkpoint store: `root`, a filesystem URI (`s3://bucket/prefix`, `gs://...`,
+    `hdfs://...`, `file:///path`, or an absolute path, which is a `file://` location), and a `/`-separated
+    `key` below it. The run directory's checkpoints are one (its absolute path); `train.storage` names
+    another. Behaves like a path where the coordinator needs one: `loc / "agents"`, `loc.name`, `loc.parent`,
+    `str(loc)` (the URI). `agent_trainer/storage.py` reads and writes it."""
+
+    root: str
+    key: str = ""
+
+    @classmethod
+    def parse(cls, uri: str | PurePath) -> Location:
+        """The location a URI names; a path (str or Path) is made absolute (a `file://` location)."""
+        text = str(uri)
+        if "://" not in text:
+            text = os.path.abspath(text)
+        return cls(text.rstrip("/") or "/")
+
+    def __truediv__(self, part: str) -> Location:
+        return Location(self.root, f"{self.key}/{part}".strip("/"))
+
+    @property
+    def name(self) -> str:
+        return (self.key or self.root.rstrip("/")).rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> Location:
+        return Location(self.root, self.key.rsplit("/", 1)[0] if "/" in self.key else "")
+
+    def __str__(self) -> str:
+        return f"{self.root.rstrip('/')}/{self.key}" if self.key else self.root
+
+
+class SaveRequest(_Message):
+    target: Location
+    """The agent's directory of the checkpoint being written."""
+
+
+class LoadRequest(_Message):
+    source: Location
+    """The agent's directory of the checkpoint to load."""
+    files: dict[str, str] | None = None
+    """File name (relative to `source`) -> SHA-256 from the checkpoint's manifest: every file is checked
+    against it before anything is loaded. None: a directory given by hand, loaded as it is."""
+
+
+class ProbeRequest(_Message):
+    where: Location
+    """Where the coordinator wrote the probe file (the run's checkpoint directory in the store)."""
+    token: str
+    agent: str
+    """The agent whose answer is written beside the probe."""

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from agent_trainer import storage
 from agent_trainer.adapters import AdapterTrainer
 from agent_trainer.agent import Agent
 from agent_trainer.models import resolve_model_path
-from agent_trainer.storage import LoadRequest
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunLog
 from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, validate_config
-from protocols.messages import Experience, ScoreRequest, UpdateRequest
+from protocols.messages import Experience, LoadRequest, Location, ScoreRequest, UpdateRequest
 from tests.loops import say_the_letter_curve
 from tests.envs import HERE, config
 from tests.runs import rows, without_times, run_killing
@@ -80,14 +80,14 @@ def test_checkpoint_holds_adapters_only_loads_with_peft_and_exports_a_merged_mod
 
     run_dir, _, _ = reference
     checkpoint = RunLog(run_dir).latest_checkpoint()
-    saved = checkpoint / "agents" / "a"
+    saved = storage.on_disk(checkpoint / "agents" / "a")
     assert sorted(p.name for p in saved.iterdir()) == ["adapter", "trainer_state.pt"]  # no base weights
     base_bytes = (Path(resolve_model_path("builtin:tiny")) / "model.safetensors").stat().st_size
     assert (saved / "adapter" / "adapter_model.safetensors").stat().st_size < base_bytes / 10
-    assert (checkpoint / "agents" / "c" / "source.json").exists()
+    assert (saved.parent / "c" / "source.json").exists()
     config = validate_config(shared_host_config())
     trainer = Agent(AdapterTrainer("a", config.agents["a"], config.algorithm))
-    assert trainer.load(LoadRequest(source=saved)) is None
+    assert trainer.load(LoadRequest(source=Location.parse(saved))) is None
     prompts, completions = [[10, 20, 30], [40, 50]], [[60, 70], [80]]
     experiences = [Experience(prompt_ids=p, completion_ids=c, advantage=0.0) for p, c in zip(prompts, completions)]
     trained = flat(trainer.score(ScoreRequest(experiences=experiences)))
@@ -110,13 +110,13 @@ def test_a_frozen_agent_on_the_host_can_play_a_saved_adapter(reference):
     from agent_trainer.hosts import Host
 
     run_dir, _, _ = reference
-    saved = RunLog(run_dir).latest_checkpoint() / "agents" / "a"
+    saved = storage.on_disk(RunLog(run_dir).latest_checkpoint() / "agents" / "a")
     raw = shared_host_config()
     raw["agents"]["c"]["adapter"] = {"path": str(saved / "adapter")}
     config = validate_config(raw)
     host = Host("h", config, {a: 1 for a in AGENTS})
     trained = Agent(AdapterTrainer("a", validate_config(shared_host_config()).agents["a"], config.algorithm))
-    trained.load(LoadRequest(source=saved))
+    trained.load(LoadRequest(source=Location.parse(saved)))
     experiences = [Experience(prompt_ids=[10, 20, 30], completion_ids=[60, 70], advantage=0.0)]
     judge = flat(host.call("c", Agent.score, ScoreRequest(experiences=experiences)))
     assert judge == pytest.approx(flat(trained.score(ScoreRequest(experiences=experiences))), abs=1e-6)

@@ -233,6 +233,7 @@ def test_export_writes_a_full_model_agents_weights_at_the_last_checkpoint_and_it
 
 def test_checkpoint_names_parse_and_format_in_one_place(tmp_path):
     """`step-000015` is written; `step-15` (any width) names the same checkpoint; anything else names none."""
+    from agent_trainer import storage
     from orchestrator.runlog import CheckpointName, RunLog
 
     assert str(CheckpointName(15)) == "step-000015" and str(CheckpointName(1234567)) == "step-1234567"
@@ -241,9 +242,8 @@ def test_checkpoint_names_parse_and_format_in_one_place(tmp_path):
     assert sorted(map(CheckpointName, (10, 9, 100))) == [CheckpointName(9), CheckpointName(10), CheckpointName(100)]
     log = RunLog(tmp_path)
     for step in (9, 10):
-        (log.checkpoint_dir() / str(CheckpointName(step))).mkdir(parents=True)
-        (log.checkpoint_dir() / str(CheckpointName(step)) / "coordinator.json").write_text("{}")
-    (log.checkpoint_dir() / "step-000011").mkdir()  # no coordinator.json: incomplete, never named
+        storage.write_bytes(log.checkpoint_dir() / str(CheckpointName(step)) / "coordinator.json", b"{}")
+    storage.make_dirs(log.checkpoint_dir() / "step-000011")  # no coordinator.json: incomplete, never named
     assert [c.name for c in log.checkpoints()] == ["step-000009", "step-000010"]
     assert log.find_checkpoint("step-10").name == "step-000010" and log.find_checkpoint("step-000009").name == "step-000009"
     assert log.find_checkpoint("step-11") is None and log.find_checkpoint("last") is None

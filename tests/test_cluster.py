@@ -176,7 +176,7 @@ def test_a_storage_path_the_worker_node_does_not_share_is_refused_at_start(two_n
 def test_checkpoints_in_shared_storage_survive_a_killed_trainer_and_a_resume(two_nodes, tmp_path):
     """Two agents on two nodes, checkpoints in a file:// store both nodes share, the run directory on the
     head's disk only: a trainer on the worker node is killed, every trainer restarts from the last
-    checkpoint (downloaded to each node), `marsi resume` goes on from storage; the metrics are those of an
+    checkpoint (read in place on each node), `marsi resume` goes on from storage; the metrics are those of an
     uninterrupted single-process run."""
     reference = tmp_path / "reference"
     with Coordinator(validate_config(config(train={"steps": 5, "checkpoint_every": 1})), reference) as coord:

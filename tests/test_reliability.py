@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from agent_trainer import storage
 from orchestrator.coordinator import Coordinator, RunFailed
 from orchestrator.runlog import RunLog, checkpoint_problem
 from protocols.config import validate_config
@@ -72,7 +73,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, unin
                           capture_output=True).returncode == 0
     log = RunLog(run_dir)
     newest = log.latest_checkpoint()
-    weights = newest / "agents" / "a" / "model" / "model.safetensors"
+    weights = storage.on_disk(newest) / "agents" / "a" / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # cut off mid-file
     assert "model.safetensors" in checkpoint_problem(newest)
     out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=300)
@@ -83,10 +84,27 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, unin
 
 def test_unfinished_checkpoints_are_never_listed(tmp_path):
     log = RunLog(tmp_path)
-    staging = log.staging_path(7)  # a write cut off before the rename
-    (staging / "agents").mkdir()
-    (log.checkpoint_dir() / "step-000009").mkdir()  # no coordinator.json: incomplete
+    storage.write_bytes(log.staging_path(7) / "agents" / "a" / "trainer_state.pt", b"partial")  # a write cut off
+    storage.make_dirs(log.checkpoint_dir() / "step-000009")  # no coordinator.json: incomplete
     assert log.checkpoints() == [] and log.latest_checkpoint() is None
+
+
+def test_a_run_directory_left_by_a_cut_off_write_of_earlier_marsi_resumes(tmp_path, uninterrupted):
+    """Earlier marsi wrote a run directory's checkpoint under `.tmp-step-N/` and renamed it into place; a
+    run it left with such a write cut off resumes from its last checkpoint (same layout, same record), and
+    the leftover goes at the next commit."""
+    run_dir = tmp_path / "run"
+    with Coordinator(validate_config(raw_config(steps=2)), run_dir) as coord:
+        coord.run()
+    leftover = run_dir / "checkpoints" / ".tmp-step-000003"
+    (leftover / "agents" / "a").mkdir(parents=True)
+    (leftover / "agents" / "a" / "trainer_state.pt").write_bytes(b"partial")
+    with Coordinator.resume(run_dir, ["train.steps=4"]) as coord:
+        assert coord.restored_from.name == "step-000002"
+        coord.run()
+    assert not leftover.exists()
+    assert [c.name for c in RunLog(run_dir).checkpoints()] == [f"step-00000{i}" for i in range(5)]
+    assert without_times(rows(run_dir)) == uninterrupted
 
 
 def test_sigterm_stops_at_a_safe_point_with_a_checkpoint(tmp_path, uninterrupted):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from agent_trainer import storage
 from agent_trainer.handle import TrainerFailure
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, make_run_dir
@@ -178,12 +179,13 @@ def test_a_finished_run_says_so_and_starts_nothing(finished, tmp_path):
 def test_an_altered_coordinator_state_is_damage(finished, tmp_path):
     run_dir = copy_run(finished, tmp_path)
     newest = RunLog(run_dir).latest_checkpoint()
-    state = json.loads((newest / "coordinator.json").read_text())
+    record = storage.on_disk(newest) / "coordinator.json"
+    state = json.loads(record.read_text())
     state["episodes"] += 1
-    (newest / "coordinator.json").write_text(json.dumps(state))
+    record.write_text(json.dumps(state))
     assert checkpoint_problem(newest) == "coordinator.json does not match its checksum"
     del state["step"]
-    (newest / "coordinator.json").write_text(json.dumps(state))
+    record.write_text(json.dumps(state))
     assert "does not match its checksum" in checkpoint_problem(newest)
     out = marsi("resume", run_dir, "train.steps=4")
     assert out.returncode == 0, out.stderr
@@ -195,7 +197,7 @@ def test_checkpoints_are_ordered_by_step_number(tmp_path):
     log = RunLog(tmp_path)
     for step in (999_999, 1_000_000, 20):
         staging = log.staging_path(step)
-        log.commit_checkpoint(staging, step, {"step": step, "episodes": 0, "data": {}, "baselines": {}}, keep=2)
+        log.commit_checkpoint(staging, step, {"step": step, "episodes": 0, "data": {}, "baselines": {}}, keep=2, files={})
     assert [p.name for p in log.checkpoints()] == ["step-999999", "step-1000000"]
 
 

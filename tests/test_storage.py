@@ -1,7 +1,8 @@
 """Checkpoint storage given by URI (train.storage): the same run, resume, damage fallback, pruning and
-cleanup as checkpoints in the run directory. A `file://` URI stands for object stores here: it goes
-through the same pyarrow.fs upload and download path as s3:// or gs://. Trainers run in-process here;
-tests/test_cluster.py runs them on two Ray nodes that do not share a disk."""
+cleanup as checkpoints in the run directory. A `file://` URI stands for object stores here: trainers see
+it as a store they do not mount (`object_store`), so it goes through the same pyarrow.fs staging, upload
+and download path as s3:// or gs://. Trainers run in-process here; tests/test_cluster.py runs them on two
+Ray nodes that do not share a disk."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import tempfile
 import pytest
 
 from agent_trainer import storage
-from agent_trainer.storage import Location
+from protocols.messages import Location
 from orchestrator.coordinator import Coordinator, ResumeError, check_resume
 from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, read_checkpoint_state
 from protocols.config import ConfigError, validate_config
@@ -29,6 +30,12 @@ def raw_config(**train):
 def reference(tmp_path_factory):
     """Metrics of the run with checkpoints in the run directory."""
     return uninterrupted_rows(validate_config(raw_config()), tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(autouse=True)
+def object_store(monkeypatch):
+    """Trainers reach every location as an object store: staged on their node, uploaded, downloaded."""
+    monkeypatch.setattr(storage, "on_disk", lambda loc: None)
 
 
 @pytest.fixture
@@ -182,3 +189,15 @@ def test_a_run_that_fails_to_start_leaves_nothing_in_storage(tmp_path):
     with pytest.raises(Exception, match="exceed the model's context"):
         Coordinator(validate_config(raw), tmp_path / "run").start()
     assert not (tmp_path / "run").exists() and list((tmp_path / "store").iterdir()) == []
+
+
+@pytest.mark.parametrize("root", ["path", "file"])
+def test_a_commit_record_is_moved_over_the_old_one(tmp_path, root):
+    """`commit_bytes` writes beside the place, then moves over it: the new record replaces the old, and
+    nothing is left beside it."""
+    base = Location.parse(tmp_path) if root == "path" else Location(f"file://{tmp_path}")
+    record = base / "checkpoints" / "step-000001" / "coordinator.json"
+    storage.commit_bytes(record, b"old")
+    storage.commit_bytes(record, b"new")
+    assert storage.read_bytes(record) == b"new"
+    assert storage.file_sizes(base / "checkpoints") == {"step-000001/coordinator.json": 3}
