@@ -169,9 +169,7 @@ class RunLog:
         """Give up the directory; one that still holds nothing (a run that failed to start) is removed."""
         if self._lock is None:
             return
-        loggers, self.loggers = self.loggers, []
-        for logger in loggers:
-            logger.close()
+        self._close_loggers()
         if self.dir.is_dir() and {p.name for p in self.dir.iterdir()} <= {".lock"}:
             (self.dir / ".lock").unlink(missing_ok=True)
             with contextlib.suppress(OSError):
@@ -182,6 +180,11 @@ class RunLog:
                     storage.delete(place.parent)
         self._lock.close()  # closing the file drops the flock; a killed process drops it too
         self._lock = None
+
+    def _close_loggers(self) -> None:
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
+            logger.close()
 
     def disk_full(self, exc: BaseException) -> bool:
         """Whether a failed write looks like a full or read-only disk: an OSError saying so anywhere in the
@@ -236,6 +239,7 @@ class RunLog:
         """Remove what marsi wrote for a run that logged no step (it failed before training); True if removed."""
         if (self.dir / "metrics.jsonl").exists() and self.metrics():
             return False
+        self._close_loggers()  # before their directories go
         for name in ("config.yaml", "metrics.jsonl", "transcripts.jsonl", ".lock"):
             (self.dir / name).unlink(missing_ok=True)
         for name in ("checkpoints", "source", "tensorboard", "wandb"):
