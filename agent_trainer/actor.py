@@ -51,6 +51,37 @@ def quiet_ray_startup() -> None:
         logger.addFilter(_not_auth_notice)
 
 
+def drop_blank_worker_lines(dispatcher=None) -> None:
+    """Ray prints every line a trainer writes on this console after a `(_TrainerActor pid=N)` prefix, blank lines
+    too (a prefix alone). Its printer is the `ray_print_logs` handler of the driver's stdstream dispatcher
+    (`log_to_driver`); it is wrapped here so that batches lose their blank lines first. Ray's other output, its
+    deduplication included, is unchanged; a Ray without that dispatcher is left as it is."""
+    if dispatcher is None:
+        try:
+            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        except ImportError:
+            return
+    with dispatcher._lock:
+        dispatcher.handlers = [(name, _without_blank_lines(handler) if name == "ray_print_logs" else handler)
+                               for name, handler in dispatcher.handlers]
+
+
+def _without_blank_lines(handler: Callable) -> Callable:
+    if getattr(handler, "drops_blank_lines", False):
+        return handler
+
+    def handle(data: dict) -> None:
+        if "lines" not in data:
+            handler(data)
+            return
+        lines = [line for line in data["lines"] if line.strip()]
+        if lines:
+            handler({**data, "lines": lines})
+
+    handle.drops_blank_lines = True
+    return handle
+
+
 def init_ray(config: RayConfig) -> bool:
     """Join `config.address` or RAY_ADDRESS when set, else start a local cluster, watched so that it ends with
     this process however this process ends (agent_trainer/reaper.py); False if Ray was already up."""
@@ -66,6 +97,7 @@ def init_ray(config: RayConfig) -> bool:
             context = ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False,
                                logging_level="WARNING")
             reaper.watch(context.address_info["session_dir"])  # ends the cluster if this process is killed
+    drop_blank_worker_lines()
     return True
 
 

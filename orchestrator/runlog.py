@@ -5,6 +5,7 @@
     RUN_DIR/transcripts.jsonl    a sample of whole episodes per step (train.transcripts_per_step)
     RUN_DIR/eval_transcripts.jsonl   the first episodes of each evaluation (eval.transcripts)
     RUN_DIR/source/              the environment's and data factory's source files
+    RUN_DIR/tensorboard/, wandb/ the loggers' files (logging.tensorboard, logging.wandb_project)
     RUN_DIR/checkpoints/step-000010/{agents/NAME/, coordinator.json}
     RUN_DIR/.lock                held (flock) by the one live process writing the run
 
@@ -31,6 +32,7 @@ import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -115,7 +117,7 @@ class RunLog:
         self.dir = Path(run_dir)
         self.logging = logging or LoggingConfig()
         self.storage = storage if storage is not None else recorded_storage(self.dir)
-        self.sinks: list = []
+        self.loggers: list[Logger] = []  # TensorBoard, W&B: opened by claim()
         self._lock = None
         self._full: set[str] = set()  # transcript files that reached train.transcripts_max_mb
 
@@ -145,7 +147,7 @@ class RunLog:
         self._lock = lock
         try:
             self._claim_storage(resume)
-            self.sinks = _sinks(self.logging, self.dir)
+            self.loggers = open_loggers(self.logging, self.dir)
         except BaseException:
             self.release()
             raise
@@ -176,6 +178,7 @@ class RunLog:
         """Give up the directory; one that still holds nothing (a run that failed to start) is removed."""
         if self._lock is None:
             return
+        self._close_loggers()
         if self.dir.is_dir() and {p.name for p in self.dir.iterdir()} <= {".lock", "checkpoints"}:
             (self.dir / ".lock").unlink(missing_ok=True)
             self._remove_empty_place()
@@ -183,6 +186,11 @@ class RunLog:
                 self.dir.rmdir()
         self._lock.close()  # closing the file drops the flock; a killed process drops it too
         self._lock = None
+
+    def _close_loggers(self) -> None:
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
+            logger.close()
 
     def disk_full(self, exc: BaseException) -> bool:
         """Whether a failed write looks like a full or read-only disk: an OSError saying so anywhere in the
@@ -237,9 +245,10 @@ class RunLog:
         """Remove what marsi wrote for a run that logged no step (it failed before training); True if removed."""
         if (self.dir / "metrics.jsonl").exists() and self.metrics():
             return False
+        self._close_loggers()  # before their directories go
         for name in ("config.yaml", "metrics.jsonl", "transcripts.jsonl", ".lock"):
             (self.dir / name).unlink(missing_ok=True)
-        for name in ("source", "tensorboard"):
+        for name in ("source", "tensorboard", "wandb"):
             shutil.rmtree(self.dir / name, ignore_errors=True)
         with contextlib.suppress(OSError):  # its checkpoints (a new run found their place empty)
             storage.delete(self.checkpoint_dir())
@@ -251,8 +260,8 @@ class RunLog:
     def log_metrics(self, metrics: dict[str, Any]) -> None:
         with open(self.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
-        for sink in self.sinks:
-            sink(metrics)
+        for logger in self.loggers:
+            logger.log(metrics)
 
     def log_eval(self, row: dict[str, Any]) -> None:
         """Append one `marsi eval` result to eval.jsonl (only `marsi eval` writes it, so a live run is left alone)."""
@@ -262,7 +271,8 @@ class RunLog:
     def log_transcripts(self, step: int, transcripts: list[dict[str, Any]], *, name: str = TRANSCRIPTS,
                         max_mb: float | None = None) -> bool:
         """Append whole episodes of `step` to `name`, unless that would take the file past `max_mb`: then they
-        and every later step's are left out, said once on stderr. False when left out."""
+        and every later step's are left out, said once on stderr. False when left out. The loggers (W&B's
+        episode tables) get the episodes written, the same."""
         if not transcripts:
             return True
         text = "".join(json.dumps({"step": step, **t}) + "\n" for t in transcripts)
@@ -275,6 +285,8 @@ class RunLog:
             return False
         with open(path, "a") as f:
             f.write(text)
+        for logger in self.loggers:
+            logger.log_episodes(step, transcripts, evaluation=name == EVAL_TRANSCRIPTS)
         return True
 
     def truncate_after(self, step: int) -> None:
@@ -292,6 +304,8 @@ class RunLog:
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, path)
+        for logger in self.loggers:
+            logger.truncate_after(step)
 
     def metrics(self) -> list[dict[str, Any]]:
         return read_jsonl(self.dir / "metrics.jsonl")
@@ -503,24 +517,114 @@ def missing_extra(logging: LoggingConfig) -> None:
                                f"(or {instead})")
 
 
-def _sinks(logging: LoggingConfig, run_dir: Path) -> list:
-    sinks = []
-    if logging.tensorboard:
+
+# ------------------------------------------------------------------------------------------ loggers
+def scalars(metrics: dict[str, Any]) -> dict[str, float | int]:
+    """The scalar keys of a metrics row (bools as 0/1), `step` left out: what TensorBoard and W&B receive."""
+    return {k: int(v) if isinstance(v, bool) else v for k, v in metrics.items()
+            if k != "step" and isinstance(v, (int, float))}
+
+
+def episode_rows(step: int, transcripts: list[dict[str, Any]]) -> list[list[Any]]:
+    """One row per action of the episodes logged at `step`, in `EPISODE_COLUMNS` order."""
+    return [[step, t["episode"], i, a["agent"], a["role"], a["prompt"], a["completion"], turn["reward"], t["reward"],
+             a["advantage"], a["policy_version"]]
+            for t in transcripts for i, turn in enumerate(t["turns"]) for a in turn["actions"]]
+
+
+EPISODE_COLUMNS = ["step", "episode", "turn", "agent", "role", "prompt", "completion", "reward", "episode_reward",
+                   "advantage", "policy_version"]
+"""The columns of W&B's episode tables: one row per action; `reward` is its turn's, `episode_reward` the episode's."""
+
+
+class Logger:
+    """A metric sink besides metrics.jsonl: every metrics row, the episodes the run saves, closed at the end."""
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def log_episodes(self, step: int, transcripts: list[dict[str, Any]], *, evaluation: bool) -> None:
+        """Episodes written to transcripts.jsonl (or eval_transcripts.jsonl when `evaluation`); none by default."""
+
+    def truncate_after(self, step: int) -> None:
+        """A resumed run replays the steps after `step`; what was logged for them may be dropped."""
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardLogger(Logger):
+    """Every scalar of every metrics row at its step, under RUN_DIR/tensorboard (evaluation rows share their step
+    with the training row: their keys differ). A resume purges the replayed steps' events (`purge_step`)."""
+
+    def __init__(self, run_dir: Path):
+        self.dir = run_dir / "tensorboard"
+        self.writer = self._open(None)
+
+    def _open(self, purge_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(str(run_dir / "tensorboard"))
+        return SummaryWriter(str(self.dir), purge_step=purge_step)
 
-        def tensorboard(m):
-            for k, v in m.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    writer.add_scalar(k, v, m["step"])
-            writer.flush()
+    def log(self, metrics: dict[str, Any]) -> None:
+        for key, value in scalars(metrics).items():
+            self.writer.add_scalar(key, value, metrics["step"])
+        self.writer.flush()
 
-        sinks.append(tensorboard)
-    if logging.wandb_project:
+    def truncate_after(self, step: int) -> None:
+        self.writer.close()
+        self.writer = self._open(step + 1)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbLogger(Logger):
+    """Every scalar of every metrics row, with `step` as the x-axis of every chart (W&B's own `_step` counts
+    log calls: an evaluation row and a resumed run's replayed steps share a step with rows before them); the
+    saved episodes as incremental tables `episodes` and `eval/episodes`, one row per action. The W&B run id
+    is kept in RUN_DIR/wandb/run-id, so `marsi resume` continues the same W&B run. `WANDB_MODE=offline`
+    writes it under RUN_DIR/wandb/ only (`wandb sync` uploads it later)."""
+
+    def __init__(self, project: str, run_dir: Path):
         import wandb
 
-        wandb_run = wandb.init(project=logging.wandb_project, dir=str(run_dir))
-        sinks.append(lambda m: wandb_run.log({k: v for k, v in m.items() if isinstance(v, (int, float))},
-                                             step=m["step"]))
-    return sinks
+        self.wandb = wandb
+        (run_dir / "wandb").mkdir(exist_ok=True)
+        id_file = run_dir / "wandb" / "run-id"
+        if not id_file.exists():
+            id_file.write_text(secrets.token_hex(4))  # W&B run ids: 8 characters of [0-9a-z]
+        self.run = wandb.init(project=project, dir=str(run_dir), name=run_dir.resolve().name,
+                              id=id_file.read_text().strip(), resume="allow")
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        self.tables: dict[bool, Any] = {}
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.run.log({"step": metrics["step"], **scalars(metrics)})
+
+    def log_episodes(self, step: int, transcripts: list[dict[str, Any]], *, evaluation: bool) -> None:
+        table = self.tables.get(evaluation)
+        if table is None:
+            table = self.tables[evaluation] = self.wandb.Table(columns=EPISODE_COLUMNS, log_mode="INCREMENTAL")
+        for row in episode_rows(step, transcripts):
+            table.add_data(*row)
+        self.run.log({"step": step, "eval/episodes" if evaluation else "episodes": table})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def open_loggers(logging: LoggingConfig, run_dir: Path) -> list[Logger]:
+    """The loggers the config asks for (`missing_extra` has checked that their packages are installed)."""
+    loggers: list[Logger] = []
+    try:
+        if logging.tensorboard:
+            loggers.append(TensorBoardLogger(run_dir))
+        if logging.wandb_project:
+            loggers.append(WandbLogger(logging.wandb_project, run_dir))
+    except BaseException:
+        for logger in loggers:
+            logger.close()
+        raise
+    return loggers

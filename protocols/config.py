@@ -409,9 +409,14 @@ class TrainConfig(_Strict):
 
 class LoggingConfig(_Strict):
     tensorboard: bool = False
-    """Also write TensorBoard events (needs the `tensorboard` extra)."""
+    """Also write TensorBoard events to RUN_DIR/tensorboard (needs the `tensorboard` extra): every scalar of every
+    metrics.jsonl row, evaluation rows included, at its step; a resume drops the replayed steps' events."""
     wandb_project: str | None = None
-    """Also log to this Weights & Biases project (needs the `wandb` extra)."""
+    """Also log to this Weights & Biases project (needs the `wandb` extra), the run named after its directory:
+    every scalar of every metrics.jsonl row with `step` as the x-axis, and the saved episodes as tables
+    `episodes` and `eval/episodes` (one row per action: step, episode, turn, agent, role, prompt, completion,
+    reward, episode_reward, advantage, policy_version). `marsi resume` continues the same W&B run.
+    `WANDB_MODE=offline` keeps it under RUN_DIR/wandb/ (`wandb sync` uploads it later)."""
 
 
 class RayConfig(_Strict):

@@ -4,6 +4,8 @@ terminal, and a closed pipe ending a command quietly."""
 from __future__ import annotations
 
 import io
+import logging
+import os
 import signal
 import subprocess
 
@@ -51,3 +53,56 @@ def test_a_closed_pipe_ends_quietly():
     child.stdout.close()  # the reader is gone before marsi writes (marsi schema | head, head already done)
     _, err = child.communicate(timeout=120)
     assert err == "" and child.returncode == 128 + signal.SIGPIPE
+
+
+# ------------------------------------------------------------------------- notices that ask nothing
+def test_the_numa_notice_vllms_cpp_code_prints_on_fd_2_is_dropped_and_every_other_line_passes(capfd):
+    from agent_trainer.engine_vllm import _without_c_notices
+
+    with _without_c_notices():
+        os.write(2, b"before\n[W1201 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy for memory allocation "
+                    b"on the NUMA nodes (0). (function init_cpu_memory_env)\n")
+        os.write(2, b"a line in two wri")
+        os.write(2, b"tes\nno newline at the end")
+    os.write(2, b"|after\n")
+    assert capfd.readouterr().err == "before\na line in two writes\nno newline at the end|after\n"
+
+
+def test_vllms_triton_notice_is_filtered_on_its_logger_and_its_other_records_are_not(monkeypatch, caplog):
+    from agent_trainer import engine_vllm
+
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_LOGGING_LEVEL",
+                 "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK"):
+        monkeypatch.delenv(name, raising=False)  # put back as they were after the test
+    engine_vllm._configure_environment()
+    logger = logging.getLogger(engine_vllm._TRITON_LOGGER)
+    with caplog.at_level(logging.WARNING, logger=engine_vllm._TRITON_LOGGER):
+        logger.warning("Triton is installed, but doesn't include CPU backend. Disabling Triton.")
+        logger.warning("Triton is broken")
+    assert [r.getMessage() for r in caplog.records] == ["Triton is broken"]
+
+
+def test_ray_prints_a_trainers_lines_but_not_its_blank_ones(capsys):
+    import functools
+
+    from ray._private.ray_logging import WorkerStandardStreamDispatcher
+    from ray._private.worker import print_to_stdstream
+
+    from agent_trainer.actor import drop_blank_worker_lines
+
+    def printed(wrap: bool, pid: int) -> list[str]:
+        dispatcher = WorkerStandardStreamDispatcher()  # what ray.init sets up on the driver (log_to_driver)
+        dispatcher.add_handler("ray_print_logs", functools.partial(print_to_stdstream, ignore_prefix=False))
+        if wrap:
+            drop_blank_worker_lines(dispatcher)
+            drop_blank_worker_lines(dispatcher)  # wrapping twice changes nothing
+        base = {"ip": "127.0.0.1", "pid": pid, "job": "01000000", "is_err": True, "actor_name": "_TrainerActor",
+                "task_name": ""}
+        text = "wrapped, loaded" if wrap else "loaded"  # not alike (Ray's dedup holds back lines alike but for numbers)
+        dispatcher.emit({**base, "lines": ["", text, "   "]})
+        dispatcher.emit({**base, "lines": ["", ""]})
+        return capsys.readouterr().err.splitlines()
+
+    assert len(printed(False, 4241)) == 5  # Ray's own printer: a prefix alone for each blank line
+    [line] = printed(True, 4242)
+    assert "(_TrainerActor pid=4242" in line and line.endswith(" wrapped, loaded")

