@@ -628,3 +628,10 @@ def open_loggers(logging: LoggingConfig, run_dir: Path) -> list[Logger]:
             logger.close()
         raise
     return loggers
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
