@@ -31,12 +31,18 @@ def rows() -> dict[str, tuple[str, str, str]]:
     return found
 
 
+def _word(name: str) -> str:
+    """`name` where it stands alone: RUN but not RUN_NAME."""
+    edge = lambda c: r"\b" if c.isalnum() or c == "_" else ""  # noqa: E731
+    return edge(name[0]) + re.escape(name) + edge(name[-1])
+
+
 def pattern(documented: str, values: dict[str, object]) -> str:
     """The regular expression a documented message stands for, given the test's values of its placeholders."""
     names = {f"<{k}>" if k in ("tmp", "repo") else k: str(v) for k, v in values.items()}
     names.setdefault("<repo>", str(REPO))
     words = sorted(names, key=len, reverse=True)
-    token = re.compile("|".join(["…"] + [re.escape(w) if w.startswith("<") else rf"\b{w}\b" for w in words]))
+    token = re.compile("|".join(["…"] + [_word(w) for w in words]))
     parts, pos = [], 0
     for m in token.finditer(documented):
         parts += [re.escape(documented[pos:m.start()]), ".+?" if m.group() == "…" else re.escape(names[m.group()])]
