@@ -18,7 +18,7 @@ from protocols.config import ConfigError, validate_config
 from protocols.messages import UpdateRequest
 from tests.dp_workers import REQUEST, VARIANTS, die_in_a_collective, experiences, make_trainer, worker
 from tests.envs import HERE, config
-from tests.errors_doc import assert_documented
+from tests.errors_doc import assert_documented, assert_quoted
 from tests.runs import rows, without_times, run_killing, uninterrupted_rows, write
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,6 +131,7 @@ def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_on
                                                  r"died") as failure:
             die_in_a_collective(coord.pool)
         assert failure.value.recoverable
+        assert_quoted(str(failure.value))
     assert_same_metrics(without_times(rows(tmp_path)), one_worker_each[:STEPS])
     # the 2-worker run's checkpoint resumes on one worker (in-process) and continues as the reference does
     with Coordinator.resume(tmp_path, ["agents.a.resources.num_workers=1", "ray.enabled=false",
