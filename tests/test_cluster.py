@@ -27,6 +27,7 @@ from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunLog, checkpoint_problem, read_checkpoint_state
 from protocols.config import validate_config
 from tests.envs import config
+from tests.errors_doc import assert_documented
 from tests.runs import marsi, rows, without_times, write
 
 WORKER = "marsi-test-worker"
@@ -142,6 +143,12 @@ def cluster_config(**train) -> dict:
     return raw
 
 
+def named(line: str) -> dict[str, str]:
+    """The node and the agent an error line names, as docs/errors.md writes them (NODE, AGENT)."""
+    return {"NODE": re.search(rf"node {WORKER} \([0-9.]+, id [0-9a-f]{{12}}\)", line).group(),
+            "AGENT": re.search(r"agent '(a|b)'", line).group(1)}
+
+
 def leftovers(paths: list[str]) -> list[str]:
     return [p for p in paths if re.search(r"\.tmp-step-|marsi-ckpt-|\.marsi-probe-", p)]
 
@@ -155,6 +162,7 @@ def test_a_run_directory_the_worker_node_does_not_see_is_refused_at_start(two_no
                         r"id [0-9a-f]{12}\), which hosts agent '(a|b)' \(a file this coordinator wrote there is not "
                         r"visible to it\), so checkpoints would stay on that node; set train.storage to a URI every "
                         r"node reaches .*", line), line
+    assert_documented("run_dir_not_shared", line, exit=out.returncode, RUN=run_dir, **named(line))
     assert not run_dir.exists()  # a run that failed to start leaves no directory
     assert two_nodes.worker_sees(two_nodes.private) == [str(two_nodes.private), str(two_nodes.worker_tmp)]
 
@@ -169,6 +177,7 @@ def test_a_storage_path_the_worker_node_does_not_share_is_refused_at_start(two_n
                         rf"[0-9a-f]{{12}}\), which hosts agent '(a|b)' \(a file this coordinator wrote to {store}/run/"
                         r"checkpoints is not visible there\); give train.storage a URI or shared path that every node "
                         r"reaches", line), line
+    assert_documented("storage_not_shared", line, exit=out.returncode, **{"/mnt/ckpt": store}, **named(line))
     assert leftovers([str(p) for p in store.rglob("*")]) == []
     assert two_nodes.worker_sees(two_nodes.private) == [str(two_nodes.private), str(two_nodes.worker_tmp)]
 
@@ -236,3 +245,4 @@ def test_a_model_path_missing_on_the_worker_node_names_the_node(two_nodes, tmp_p
     assert re.fullmatch(rf"marsi: error: agent '(a|b)': agents\.(a|b)\.model '{model}' does not exist on node {WORKER} "
                         r"\([0-9.]+, id [0-9a-f]{12}\), which hosts this agent; copy it to that path on every node "
                         r"that may host the agent, or give a hub id or a built-in", line), line
+    assert_documented("model_missing_on_node", line, exit=out.returncode, **{"/models/m": model}, **named(line))

@@ -15,6 +15,7 @@ from orchestrator.coordinator import Coordinator
 from protocols.config import AgentConfig, AlgorithmConfig, validate_config
 from protocols.messages import Experience, GenerateRequest, UpdateRequest
 from tests.envs import config
+from tests.errors_doc import assert_quoted
 from tests.test_rl_correctness import tiny_variant
 
 MODEL = "/models/some-llm"  # any model but builtin:tiny
@@ -105,6 +106,7 @@ def test_a_forced_bfloat16_on_a_device_without_it_warns_once_with_the_measured_s
     assert warnings[0].startswith("marsi: WARNING: agents.a.dtype, agents.b.dtype: bfloat16 is emulated on CPU AMD EPYC "
                                   "7B12 (avx512_bf16 no, amx_bf16 no): a bf16 matmul probe took ")
     assert warnings[0].endswith("x the time of float32 there; set them to auto (float32 on this device) or float32")
+    assert_quoted(warnings[0])
     assert all(p["dtype"] == "bfloat16" and math.isfinite(p["slowdown"]) and p["slowdown"] > 0 for p in chosen.values())
     assert "marsi: precision: a bfloat16 (as configured; emulated here); b bfloat16 (as configured; emulated here)" in out
 

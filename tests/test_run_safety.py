@@ -22,7 +22,13 @@ from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, make_run_dir
 from protocols.config import validate_config
 from tests.envs import config
+from tests.errors_doc import assert_documented, assert_quoted
 from tests.runs import MARSI, marsi, rows, without_times, write
+
+def last_line(out) -> str:
+    """The last line a marsi subprocess wrote to stderr: its error."""
+    return out.stderr.strip().splitlines()[-1]
+
 
 def snapshot(run_dir):
     """Every file of a run directory with its bytes (the lock file aside)."""
@@ -76,8 +82,7 @@ def test_a_new_run_refuses_a_directory_that_holds_a_run(finished, tmp_path):
     run_dir = copy_run(finished, tmp_path)
     before = snapshot(run_dir)
     out = marsi("run", finished[1], "--run-dir", run_dir)
-    assert out.returncode == 2
-    assert f"{run_dir}: already holds a run; continue it with: marsi resume {run_dir}" in out.stderr
+    assert_documented("run_dir_holds_run", last_line(out), exit=out.returncode, RUN=run_dir)
     assert snapshot(run_dir) == before
 
 
@@ -86,13 +91,20 @@ def test_a_live_process_keeps_others_out_of_its_run_directory(finished, tmp_path
     holder = RunLog(run_dir)
     holder.claim(resume=True)
     try:
-        with pytest.raises(RunDirError, match=rf"{run_dir}: in use by marsi pid {os.getpid()}"):
+        with pytest.raises(RunDirError, match=rf"{run_dir}: in use by marsi pid {os.getpid()}") as info:
             RunLog(run_dir).claim(resume=True)
+        assert_documented("run_dir_in_use", info.value, RUN=run_dir)
         out = marsi("resume", run_dir, "train.steps=4")
         assert out.returncode == 2 and f"in use by marsi pid {os.getpid()}" in out.stderr
     finally:
         holder.release()
     RunLog(run_dir).claim(resume=True)  # free again once the holder is gone
+
+
+def test_resuming_a_directory_without_a_run_is_refused(tmp_path):
+    with pytest.raises(RunDirError) as info:
+        RunLog(tmp_path).claim(resume=True)
+    assert_documented("resume_holds_no_run", info.value, RUN=tmp_path)
 
 
 def test_a_run_that_fails_to_start_leaves_no_directory(tmp_path):
@@ -125,7 +137,7 @@ def test_a_torn_last_line_is_dropped_and_resume_goes_on(finished, tmp_path):
         f.write('{"step": 4, "reward/me')  # a crash mid-append
     out = marsi("resume", run_dir, "train.steps=4")
     assert out.returncode == 0, out.stderr
-    assert "metrics.jsonl:4: dropping a torn last line" in out.stderr
+    assert_quoted(next(line for line in out.stderr.splitlines() if "dropping a torn last line" in line), RUN=run_dir)
     assert [r["step"] for r in rows(run_dir)] == [1, 2, 3, 4]
 
 
@@ -135,23 +147,21 @@ def test_a_corrupt_line_inside_a_record_names_file_and_line(finished, tmp_path):
     lines[1] = "garbage\n"
     (run_dir / "metrics.jsonl").write_text("".join(lines))
     out = marsi("resume", run_dir, "train.steps=4")
-    assert out.returncode == 2
-    assert out.stderr.strip() == (f"marsi: error: {run_dir}/metrics.jsonl:2: not a JSON record with a step; "
-                                  "repair or delete that line")
+    assert out.stderr.count("\n") == 1
+    assert_documented("record_line_corrupt", out.stderr, exit=out.returncode, RUN=run_dir)
 
 
 # ------------------------------------------------------------------------ 7: a failed resume changes nothing
-@pytest.mark.parametrize("overrides, message", [
-    (["agents.a.model=/no/such/model"], "agents.a.model: '/no/such/model' not found"),
-    (["agents.carol.model=builtin:tiny", "roles.assignment.r2=carol"],
-     "a resumed run keeps its agents (a, b); the overrides make them a, b, carol"),
-    (["train.steps=2"], "train.steps=2 is below the 3 steps"),
+@pytest.mark.parametrize("overrides, case", [
+    (["agents.a.model=/no/such/model"], "resume_model_missing"),
+    (["agents.carol.model=builtin:tiny", "roles.assignment.r2=carol"], "resume_other_agents"),
+    (["train.steps=2"], "resume_fewer_steps"),
 ], ids=["model_missing", "new_agent", "fewer_steps"])
-def test_a_refused_resume_leaves_the_run_as_it_was(finished, tmp_path, overrides, message):
+def test_a_refused_resume_leaves_the_run_as_it_was(finished, tmp_path, overrides, case):
     run_dir = copy_run(finished, tmp_path)
     before = snapshot(run_dir)
     out = marsi("resume", run_dir, *overrides)
-    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert_documented(case, last_line(out), exit=out.returncode, RUN=run_dir)
     assert snapshot(run_dir) == before
     out = marsi("resume", run_dir, "train.steps=4")  # the run still resumes as it was
     assert out.returncode == 0, out.stderr
@@ -164,14 +174,14 @@ def test_resume_refuses_a_model_of_another_architecture(finished, tmp_path):
     other = tiny_variant(tmp_path, "wider", hidden_size=64, intermediate_size=128, num_attention_heads=2,
                          num_key_value_heads=2)
     out = marsi("resume", run_dir, f"agents.b.model={other}")
-    assert out.returncode == 2
-    assert "its architecture differs from the checkpoint's (hidden_size 64 vs 128" in out.stderr
+    assert_documented("resume_other_architecture", last_line(out), exit=out.returncode, DIR=other)
 
 
 def test_a_finished_run_says_so_and_starts_nothing(finished, tmp_path):
     run_dir = copy_run(finished, tmp_path)
     out = marsi("resume", run_dir)
-    assert out.returncode == 0 and "has done all its 3 steps" in out.stderr
+    assert out.returncode == 0, out.stderr
+    assert_quoted(next(line for line in out.stderr.splitlines() if "has done all its" in line), RUN=run_dir)
     assert "Ray" not in out.stderr
 
 
@@ -240,6 +250,7 @@ def test_sigterm_while_the_trainers_start_is_marsis_to_handle(tmp_path):
     assert "SIGTERM received" not in err and "PC: @" not in err, err  # Ray's own handler's stack dump
     assert [line for line in err.splitlines() if line.startswith("marsi:")] == [
         "marsi: SIGTERM: stopped while starting; nothing was trained and no run directory is left"], err
+    assert_quoted(next(line for line in err.splitlines() if line.startswith("marsi:")))
     assert not run_dir.exists()
 
 
@@ -259,6 +270,7 @@ def test_a_trainer_stopped_during_save_is_a_hung_trainer(ray_coordinator):
     try:
         with pytest.raises(TrainerFailure, match=r"agent 'b': save failed: no answer within 3s \(hung\)") as caught:
             coord.checkpoint(step=5)
+        assert_documented("trainer_hung", str(caught.value))
         assert caught.value.recoverable
         assert [p.name for p in coord.log.checkpoints()] == ["step-000000", "step-000001"]
     finally:
@@ -278,6 +290,15 @@ def test_a_fault_while_restoring_spends_a_restart_and_is_not_damage(ray_coordina
     assert coord.restarts == 1 and coord.state.step == 1
     assert "damaged" not in capfd.readouterr().err
     assert checkpoint_problem(coord.log.latest_checkpoint()) is None
+
+
+def test_trainers_not_up_in_time_are_one_line(ray_cluster, tmp_path):
+    from agent_trainer.handle import TrainerStartError
+
+    with pytest.raises(TrainerStartError) as info:
+        Coordinator(validate_config(config(ray=True, train={"start_timeout_s": 0.001})), tmp_path / "run").start()
+    assert_documented("trainers_not_up", info.value)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_trainer_killed_before_the_first_checkpoint_is_restarted(ray_cluster, tmp_path):
@@ -330,7 +351,7 @@ def test_a_full_disk_names_the_disk_and_the_last_good_checkpoint(tmp_path):
         last = RunLog(disk / "run").latest_checkpoint()
         assert last is not None and checkpoint_problem(last) is None
         line = out.stderr.strip().splitlines()[-1]
-        assert line.startswith(f"marsi: error: writing to {disk / 'run'} failed (")
+        assert_documented("disk_full", line, exit=out.returncode, RUN=disk / "run")
         assert re.search(r"save failed: .*; disk: [0-4] MB free of 5 MB\)", line), line
         assert f"the last good checkpoint is {last}" in line and f"marsi resume {disk / 'run'}" in line
     finally:

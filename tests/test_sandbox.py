@@ -8,7 +8,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import shutil
 import socket as sockets
 import subprocess
@@ -21,6 +20,7 @@ import pytest
 
 from orchestrator import sandbox
 from orchestrator.sandbox import SANDBOX_UIDS, SandboxResult, run_python, sandbox_available
+from tests.errors_doc import assert_documented
 from tests.hosts import run_as, user_namespaces_work
 
 REPO = Path(__file__).resolve().parents[1]
@@ -382,7 +382,6 @@ def test_the_os_layers_hold_without_the_audit_hook_as_a_user(hostile_job):
 
 
 # ------------------------------------------------------------------------------------------ fail closed
-DOC = REPO / "docs" / "errors.md"
 # The caller, with MARSI_SECRET=hunter2 in its environment, runs a program that reads the caller's environment
 # through /proc (the audit hook does not stop reading): refused, or, in weak mode, run, and the secret leaks.
 _CAN_RUN = r'''
@@ -400,20 +399,13 @@ else:
 '''
 
 
-def documented(host: str) -> re.Pattern:
-    """The message that docs/errors.md gives for `host` in its sandbox table, as a pattern (<reason>: any text)."""
-    row = next(line for line in DOC.read_text().splitlines() if line.startswith(f"| {host} |"))
-    message = re.search("`([^`]+)`", row.split(" | ", 1)[1]).group(1)
-    return re.compile(re.escape(message).replace(re.escape("<reason>"), ".+?"))
-
-
 @pytest.mark.skipif(not user_namespaces_work(), reason="needs user namespaces to play a user who is not root")
 def test_a_user_without_user_namespaces_is_refused_in_one_line():
     done = run_as(_CAN_RUN, uid=1000, no_namespaces=("user",), env={"MARSI_SECRET": "hunter2"})
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert done.stdout.startswith("refused: ") and done.stdout.count("\n") == 1, done.stdout
     message = done.stdout.removeprefix("refused: ").strip()
-    assert documented("not root, no user namespaces").fullmatch(message), message
+    assert_documented("sandbox_no_user_namespaces", f"marsi: error: {message}")
     assert "user namespaces are unavailable (exit code 1: unshare: unshare failed: No space left on device)" in message
 
 
@@ -423,7 +415,7 @@ def test_root_without_an_ipc_namespace_is_refused():
     done = run_as(_CAN_RUN, uid=0, no_namespaces=("ipc",), env={"MARSI_SECRET": "hunter2"})
     assert done.returncode == 0 and done.stderr == "", done.stderr
     message = done.stdout.removeprefix("refused: ").strip()
-    assert documented("root, no namespaces, no uid layer").fullmatch(message), message
+    assert_documented("sandbox_root_without_namespaces", f"marsi: error: {message}")
     assert "namespaces are unavailable (exit code 1: unshare: unshare failed: No space left on device)" in message
 
 
@@ -433,7 +425,8 @@ def test_weak_mode_is_explicit_and_warns_once():
     done = run_as(_CAN_RUN, uid=1000, no_namespaces=("user",), env=env)
     assert done.returncode == 0 and done.stdout == "leaked leaked\n", done  # what the refusal prevents
     warning = done.stderr.strip()
-    assert done.stderr.count("\n") == 1 and documented("weak mode").fullmatch(warning), warning
+    assert done.stderr.count("\n") == 1, warning
+    assert_documented("sandbox_weak", warning)
     assert "it can use the network" in warning and "leave a setsid child running" in warning
     for value in ("0", "true", ""):  # only MARSI_SANDBOX_WEAK=1 opts in
         assert run_as(_CAN_RUN, uid=1000, no_namespaces=("user",),

@@ -17,6 +17,7 @@ from orchestrator.coordinator import Coordinator, ResumeError, check_resume
 from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, read_checkpoint_state
 from protocols.config import ConfigError, validate_config
 from tests.envs import config
+from tests.errors_doc import assert_documented, assert_quoted
 from tests.runs import rows, without_times, uninterrupted_rows
 
 STEPS = 4
@@ -97,6 +98,7 @@ def test_damage_in_storage_is_found_and_resume_falls_back(tmp_path, node_tmp, re
     assert ("checkpoint step-000003 is damaged (agents/b/model/model.safetensors does not match its checksum); "
             "falling back to step-000002") in err
     assert "checkpoint step-000002 is damaged (agents/a/trainer_state.pt does not match its checksum (it is 100 bytes" in err
+    assert_quoted(next(line for line in err.splitlines() if "step-000003 is damaged" in line).removeprefix("marsi: "))
     assert without_times(rows(run_dir)) == reference
     assert list(node_tmp.iterdir()) == []
 
@@ -121,9 +123,9 @@ def test_a_new_run_refuses_a_place_in_storage_that_holds_checkpoints(tmp_path):
     store = f"file://{tmp_path}/store"
     with Coordinator(validate_config(raw_config(steps=1, storage=store)), tmp_path / "one" / "run") as coord:
         coord.run()
-    with pytest.raises(RunDirError, match=rf"train.storage: {store}/run/checkpoints already holds checkpoints of a run "
-                                          r"named run; give a new --run-dir"):
+    with pytest.raises(RunDirError) as info:
         Coordinator(validate_config(raw_config(steps=1, storage=store)), tmp_path / "two" / "run").start()
+    assert_documented("storage_holds_other_run", info.value, **{"/mnt/ckpt": tmp_path / "store"})
     assert not (tmp_path / "two" / "run").exists()
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["run"]
 
@@ -134,8 +136,10 @@ def test_a_resume_keeps_its_storage(tmp_path):
     with Coordinator(validate_config(raw), run_dir) as coord:
         coord.run()
     moved = validate_config({**raw, "train": {**raw["train"], "storage": f"file://{tmp_path}/elsewhere"}})
-    with pytest.raises(ResumeError, match=r"train.storage='file://.*/elsewhere': a resumed run keeps its checkpoint storage"):
+    with pytest.raises(ResumeError) as info:
         check_resume(moved, validate_config(raw), RunLog(run_dir))
+    assert_documented("resume_with_other_storage_uri", info.value,
+                      **{"/elsewhere": tmp_path / "elsewhere", "/mnt/ckpt": tmp_path / "store"})
 
 
 @pytest.mark.parametrize("value, message", [
@@ -165,9 +169,9 @@ def test_locations_behave_like_paths_where_the_coordinator_needs_them():
 def test_unusable_storage_is_one_line_before_any_trainer_starts(tmp_path):
     (tmp_path / "a-file").write_text("not a directory")
     raw = raw_config(steps=1, storage=f"file://{tmp_path}/a-file/store")
-    with pytest.raises(storage.StorageError, match=rf"train.storage file://{tmp_path}/a-file/store: cannot use "
-                                                   rf"file://{tmp_path}/a-file/store/run/checkpoints \(.*\); check the URI"):
+    with pytest.raises(storage.StorageError) as info:
         Coordinator(validate_config(raw), tmp_path / "run").start()
+    assert_documented("storage_unusable", info.value, **{"/mnt/ckpt": tmp_path / "a-file" / "store"})
     assert not (tmp_path / "run").exists()
 
 
@@ -176,9 +180,9 @@ def test_a_checkpoint_is_not_committed_without_every_reported_file(tmp_path, whe
     log = RunLog(tmp_path / "run", storage=None if where == "run directory" else f"file://{tmp_path}/store")
     staging = log.staging_path(4)
     report = {"agents/b/trainer_state.pt": ("0" * 64, 12345)}
-    with pytest.raises(storage.StorageError, match=r"checkpoint step-000004: agents/b/trainer_state.pt, which its trainer "
-                                                   r"reported writing \(12345 bytes\), is not there as this coordinator sees"):
+    with pytest.raises(storage.StorageError) as info:
         log.commit_checkpoint(staging, 4, {"step": 4, "episodes": 0, "data": {}, "baselines": {}}, keep=2, files=report)
+    assert_documented("checkpoint_file_missing", info.value, STAGING=staging)
     assert log.checkpoints() == []
 
 

@@ -17,8 +17,9 @@ from orchestrator.coordinator import Coordinator
 from protocols.config import ConfigError, validate_config
 from protocols.messages import UpdateRequest
 from tests.dp_workers import REQUEST, VARIANTS, die_in_a_collective, experiences, make_trainer, worker
-from tests.envs import config
-from tests.runs import rows, without_times, run_killing, uninterrupted_rows
+from tests.envs import HERE, config
+from tests.errors_doc import assert_documented, assert_quoted
+from tests.runs import rows, without_times, run_killing, uninterrupted_rows, write
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,6 +131,7 @@ def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_on
                                                  r"died") as failure:
             die_in_a_collective(coord.pool)
         assert failure.value.recoverable
+        assert_quoted(str(failure.value))
     assert_same_metrics(without_times(rows(tmp_path)), one_worker_each[:STEPS])
     # the 2-worker run's checkpoint resumes on one worker (in-process) and continues as the reference does
     with Coordinator.resume(tmp_path, ["agents.a.resources.num_workers=1", "ray.enabled=false",
@@ -166,37 +168,43 @@ def test_a_worker_dying_in_a_collective_fails_its_peer_quietly():
     assert "Unhandled error" not in done.stderr and "Connection reset by peer" not in done.stderr, done.stderr
 
 
-def test_config_refuses_workers_without_ray_and_placement_counts_every_worker():
-    raw = raw_config(workers_a=2)
-    with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_workers: 2 workers are 2 processes, which need "
-                                          r"Ray, but ray\.enabled is false .*; set ray\.enabled: true or "
-                                          r"agents\.a\.resources\.num_workers: 1"):
-        validate_config(raw)
+def _refused(raw) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        validate_config(raw, source="run.yaml")
+    return info.value
+
+
+def test_config_refuses_workers_without_ray_and_placement_counts_every_worker(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    assert_documented("workers_without_ray", _refused(raw_config(workers_a=2)))
     raw = raw_config(workers_a=2, ray=True)
     raw["agents"]["a"]["rollout"] = {"engine": "vllm"}
-    with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_workers: 2 workers cannot sample with "
-                                          r"agents\.a\.rollout\.engine: vllm"):
-        validate_config(raw)
+    assert_documented("workers_with_vllm", _refused(raw))
     raw = raw_config(workers_a=2, ray=True)
     raw["agents"]["a"]["resources"]["num_gpus"] = 0.5
-    with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_gpus: 0\.5 per worker would let two of the 2 "
-                                          r"workers of agent 'a' share a GPU, which NCCL refuses"):
-        validate_config(raw)
+    assert_documented("workers_share_a_gpu", _refused(raw))
     raw = raw_config(workers_a=2, ray=True)
     raw["agents"]["a"]["adapter"] = {"rank": 4}
-    with pytest.raises(ConfigError, match=r"agents\.a\.resources\.num_workers: 2, but an adapter agent runs on one "
-                                          r"worker .*; set agents\.a\.resources\.num_workers: 1 or remove "
-                                          r"agents\.a\.adapter"):
-        validate_config(raw)
+    assert_documented("workers_on_adapter_agent", _refused(raw))
     raw = raw_config(ray=True)
     for name in ("a", "b"):
         raw["agents"][name].pop("resources", None)
         raw["agents"][name].update(adapter={"rank": 4}, host="shared")
     raw["hosts"] = {"shared": {"resources": {"num_cpus": 0.5, "num_workers": 2}}}
-    with pytest.raises(ConfigError, match=r"hosts\.shared\.resources\.num_workers: 2, but a shared host runs on one "
-                                          r"worker; set hosts\.shared\.resources\.num_workers: 1"):
-        validate_config(raw)
+    assert_documented("workers_on_shared_host", _refused(raw))
+    raw = raw_config(ray=True)
+    raw["eval"] = {"data": {"factory": f"{HERE / 'envs.py'}:held_out"}, "partners": {"first": {"b": "initial"}},
+                   "partner_resources": {"num_workers": 2}}
+    assert_documented("partner_workers", _refused(raw))
     raw = raw_config(workers_a=4, ray=True)
     assert placement_problem(validate_config(raw), 1.0, 0.0, "the Ray cluster") == (
         "agents ask for 1.25 CPUs in all (a: 0.25 x 4 workers, b: 0.25) but the Ray cluster has 1; lower "
         "agents.NAME.resources.num_cpus (fractions such as 0.5 share a core) or num_workers, or give the cluster more")
+    raw = raw_config(workers_a=2, ray=True)  # as marsi validate says it (no Ray started)
+    raw["agents"]["a"]["resources"]["num_cpus"] = 1
+    raw["agents"]["b"]["resources"]["num_cpus"] = 0.5
+    raw["ray"]["num_cpus"] = 2
+    capsys.readouterr()
+    code = main(["validate", str(write(tmp_path, raw))])
+    assert_documented("workers_beyond_cluster", capsys.readouterr().err, exit=code, tmp=tmp_path)
