@@ -40,21 +40,24 @@ def test_pass_at_k_by_hand():
     assert pass_at_k(4, 0, 3) == 0.0 and pass_at_k(4, 2, 3) == 1.0  # fewer failures than k: always solved
 
 
+class _Stub(Environment):
+    possible_agents, max_turns = ["x"], 1
+
+    def reset(self, sample, seed=None):
+        return {}
+
+    def step(self, actions):
+        return None
+
+
+def episode(sample: int, reward: float, success: float | None = None) -> rollout.Episode:
+    """A finished one-turn episode of `sample` (its group) with `reward`, reporting `success` when given."""
+    e = rollout.Episode(index=0, sample_index=sample, env=_Stub())
+    e.turns, e.info = [rollout.Turn([], reward, {})], ({} if success is None else {"success": success})
+    return e
+
+
 def test_summary_means_standard_errors_and_pass_at_k():
-    class Stub(Environment):
-        possible_agents, max_turns = ["x"], 1
-
-        def reset(self, sample, seed=None):
-            return {}
-
-        def step(self, actions):
-            return None
-
-    def episode(sample, reward, success):
-        e = rollout.Episode(index=0, sample_index=sample, env=Stub())
-        e.turns, e.info = [rollout.Turn([], reward, {})], {"success": success}
-        return e
-
     # sample 0: 1 of 3 solved; sample 1: 3 of 3
     episodes = [episode(0, 1.0, 1.0), episode(0, 0.0, 0.0), episode(0, 0.0, 0.0)] + [episode(1, 1.0, 1.0)] * 3
     out = summarise(episodes, [1, 2])
@@ -85,20 +88,6 @@ def test_comparisons_and_standard_errors_are_clustered_per_sample_so_copies_add_
     assert (copied["low"], copied["high"]) == pytest.approx((once["low"], once["high"]))
     assert not copied["distinguishable"] and copied["samples"] == 8 and copied["episodes"] == 32
     # the summary's standard errors too: per-sample means are the units
-    class Stub(Environment):
-        possible_agents, max_turns = ["x"], 1
-
-        def reset(self, sample, seed=None):
-            return {}
-
-        def step(self, actions):
-            return None
-
-    def episode(sample, reward):
-        e = rollout.Episode(index=0, sample_index=sample, env=Stub())
-        e.turns = [rollout.Turn([], reward, {})]
-        return e
-
     single = summarise([episode(s, r) for s, r in enumerate(after)], [])
     four = summarise([episode(s, r) for s, r in enumerate(after) for _ in range(4)], [])
     assert four["reward/mean/stderr"] == pytest.approx(single["reward/mean/stderr"]) and single["reward/mean/stderr"] > 0
