@@ -45,17 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value applied on top of the file, e.g. train.steps=5")
     p.add_argument("--steps", type=int, default=6, help="how many steps to print (default: 6)")
     sub.add_parser("schema", parents=[common], help="print the config's JSON schema")
-    p = sub.add_parser("plot", parents=[common], help="write PNG curves of runs, overlaid (plot.png, reward.png)")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories whose metrics.jsonl to plot")
-    p.add_argument("--out", help="directory for the PNG files (default: the first run directory)")
-    p.add_argument("--smoothing", type=_smoothing, default=None,
-                   help="weight of the moving average drawn over the raw reward, in [0, 1) (default: 0.6)")
-    p = sub.add_parser("report", parents=[common],
-                       help="write one self-contained HTML report of runs: curves, evaluations, episodes, config")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, overlaid in the curves")
-    p.add_argument("--out", help="the HTML file to write (default: report.html in the first run directory)")
-    p.add_argument("--smoothing", type=_smoothing, default=None,
-                   help="weight of the moving average drawn over the raw reward, in [0, 1) (default: 0.6)")
+    for name, what, out in (
+            ("plot", "write PNG curves of runs, overlaid (plot.png, reward.png)",
+             "directory for the PNG files (default: the first run directory)"),
+            ("report", "write one self-contained HTML report of runs: curves, evaluations, episodes, config",
+             "the HTML file to write (default: report.html in the first run directory)")):
+        p = sub.add_parser(name, parents=[common], help=what)
+        p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, overlaid in the curves")
+        p.add_argument("--out", help=out)
+        p.add_argument("--smoothing", type=_smoothing, default=None,
+                       help="weight of the moving average drawn over the raw reward, in [0, 1) (default: 0.6)")
     p = sub.add_parser("eval", parents=[common],
                        help="evaluate a run's checkpoints (or a config's initial models) on the eval set")
     p.add_argument("target", help="a run directory, or a config file (its initial models)")
