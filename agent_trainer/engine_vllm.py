@@ -104,9 +104,12 @@ def _without_c_notices(notices: tuple[bytes, ...] = _C_NOTICES):
         yield
     finally:
         sys.stderr.flush()
-        os.dup2(real, 2)  # the pipe's last writer is gone: the thread reads to its end and stops
-        thread.join()
-        os.close(real)
+        os.dup2(real, 2)  # this process's writer is gone: the thread reads to the pipe's end and stops
+        # A process the engine started would hold the pipe open (and the thread would pass its lines on): never
+        # wait on it for long, and keep `real` open for the thread then.
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            os.close(real)
 
 
 def row_seed(seed: int, index: int) -> int:

@@ -68,6 +68,23 @@ def test_the_numa_notice_vllms_cpp_code_prints_on_fd_2_is_dropped_and_every_othe
     assert capfd.readouterr().err == "before\na line in two writes\nno newline at the end|after\n"
 
 
+def test_a_process_started_inside_the_filter_that_keeps_fd_2_open_does_not_hold_the_caller(capfd):
+    """A child that inherits the pipe as its stderr keeps it open past the filter's end: the caller goes on within
+    seconds and the child's lines still pass."""
+    import subprocess
+    import time
+
+    from agent_trainer.engine_vllm import _without_c_notices
+
+    began = time.perf_counter()
+    with _without_c_notices():
+        child = subprocess.Popen(["sh", "-c", "sleep 8; echo from-the-child >&2"])
+    assert time.perf_counter() - began < 7
+    child.wait()
+    time.sleep(0.2)
+    assert "from-the-child" in capfd.readouterr().err
+
+
 def test_vllms_triton_notice_is_filtered_on_its_logger_and_its_other_records_are_not(monkeypatch, caplog):
     from agent_trainer import engine_vllm
 
