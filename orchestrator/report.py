@@ -145,7 +145,9 @@ def episodes(run: str, run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _json_script(element_id: str, value: Any) -> str:
-    text = json.dumps(value, allow_nan=False, default=str).replace("</", "<\\/")
+    """`value` as JSON in a data block. Every `<` is written `\\u003c` (the same string to JSON.parse), so text
+    the models wrote (`</script>`, `<!--<script>`) can neither end the block nor change how HTML parses it."""
+    text = json.dumps(value, allow_nan=False, default=str).replace("<", "\\u003c")
     return f'<script type="application/json" id="{element_id}">{text}</script>'
 
 

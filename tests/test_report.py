@@ -40,7 +40,7 @@ def run(tmp_path_factory):
 
 def payload(page: str) -> list[dict]:
     found = re.search(r'<script type="application/json" id="episodes">(.*?)</script>', page, re.S)
-    return json.loads(found.group(1).replace("<\\/", "</"))
+    return json.loads(found.group(1))
 
 
 def test_the_report_is_one_file_holding_curves_evaluations_episodes_and_config(run):
@@ -76,6 +76,25 @@ def test_headless_chromium_sees_console_errors(tmp_path):
     page = tmp_path / "broken.html"
     page.write_text("<html><body><script>undefinedFunction();</script></body></html>")
     assert console(chromium("--dump-dom", page.as_uri()))  # what the next test counts on to see errors
+
+
+@needs_chromium
+def test_model_text_that_looks_like_html_stays_text(run, tmp_path):
+    """Completions are the model's, untrusted: an HTML comment opening a script, and a closing script tag followed by
+    a script, must neither run nor cut the page's data short."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    first = json.loads((copy / "transcripts.jsonl").read_text().splitlines()[0])
+    hostile = "<!--<script>x</script> </script><script>document.title='pwned'</script><!--"
+    first["turns"][0]["actions"][0]["completion"] = hostile
+    with open(copy / "transcripts.jsonl", "a") as f:
+        f.write(json.dumps({**first, "step": 99}) + "\n")
+    assert marsi("report", copy).returncode == 0
+    page = (copy / "report.html").read_text()
+    assert any(hostile in json.dumps(episode) for episode in payload(page))  # kept, as text
+    out = chromium("--dump-dom", (copy / "report.html").as_uri() + "#kind=train&step_min=99")
+    assert out.returncode == 0 and console(out) == [], console(out)
+    assert 'data-ready="1"' in out.stdout and "pwned" not in re.search(r"<title>(.*?)</title>", out.stdout).group(1)
 
 
 @needs_chromium
