@@ -27,7 +27,7 @@ import torch
 
 from agent_trainer import rng
 from agent_trainer.models import SOURCE_MARKER, load_model, resolve_model_path, source_fingerprint
-from agent_trainer.trainer import AgentTrainer, refuse_nonfinite, weights_digest
+from agent_trainer.trainer import AgentTrainer, check_same_source, refuse_nonfinite, weights_digest
 from protocols.config import AgentConfig, AlgorithmConfig
 from protocols.messages import CheckpointInfo, WeightDigests
 
@@ -175,7 +175,7 @@ class AdapterTrainer(AgentTrainer):
         self.save_training_state(path)
         return self._checkpoint_info(path)
 
-    def load(self, path: str | Path) -> CheckpointInfo:
+    def load(self, path: str | Path, *, checkpoint: str | None = None) -> CheckpointInfo:
         """Load the agent's adapter and training state saved by `save` into the shared model, in place."""
         from peft.utils import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -183,11 +183,8 @@ class AdapterTrainer(AgentTrainer):
         path, name = Path(path), self.name
         marker = path / SOURCE_MARKER
         if marker.exists():
-            saved, now = json.loads(marker.read_text()), _frozen_source(self.agent)
-            if saved != now:
-                raise ValueError(f"agent {name!r} is frozen and its checkpoint {path} refers to {saved['model']!r} "
-                                 f"with adapter {saved.get('adapter')!r}, which have changed since; restore those "
-                                 "weights or start a new run")
+            check_same_source(name, json.loads(marker.read_text()), _frozen_source(self.agent),
+                              checkpoint=checkpoint or str(path), where=self.where)
             return self._checkpoint_info(path)
         adapter_dir = path / ADAPTER_DIR
         if not (adapter_dir / "adapter_model.safetensors").is_file():

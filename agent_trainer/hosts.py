@@ -66,7 +66,10 @@ def start_trainer(name: str, config: RunConfig, index: int, total_updates: int,
                   trainable=name not in config.schedule.frozen)
     try:
         if agent.adapter is not None:
-            return AdapterTrainer(name, agent, config.algorithm, base=base, **kwargs)
-        return AgentTrainer(name, agent, config.algorithm, **kwargs)
+            trainer = AdapterTrainer(name, agent, config.algorithm, base=base, **kwargs)
+        else:
+            trainer = AgentTrainer(name, agent, config.algorithm, **kwargs)
     except Exception as exc:
         raise TrainerStartError(f"agent {name!r} could not start: {describe(exc)}") from exc
+    trainer.where = where
+    return trainer

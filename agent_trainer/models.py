@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -69,17 +70,81 @@ SOURCE_MARKER = "source.json"
 frozen agent's at every step): where the weights come from, instead of a copy of them."""
 
 
-def source_fingerprint(name: str) -> dict[str, list[int]]:
-    """Size and modification time of every file of a local model directory (empty for a hub id, and for a
-    built-in, which every node builds alike from a fixed seed at its own time): what a frozen agent's
-    checkpoint records instead of a copy of its weights."""
+def source_fingerprint(name: str) -> dict[str, dict[str, int | str]]:
+    """Size, modification time and SHA-256 of every file of a local model directory (empty for a hub id, and for
+    a built-in, which every node builds alike from a fixed seed at its own time): what a frozen agent's
+    checkpoint records instead of a copy of its weights. The model is identified by the contents; the times
+    only say, in a message, whether only they differ. Each file's digest is computed once per node
+    (`file_sha256`)."""
     if name.startswith("builtin:"):
         return {}
     path = Path(resolve_model_path(name))
     if not path.is_dir():
         return {}
-    return {str(f.relative_to(path)): [f.stat().st_size, f.stat().st_mtime_ns]
-            for f in sorted(path.rglob("*")) if f.is_file()}
+    found = {}
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            stat = f.stat()
+            found[str(f.relative_to(path))] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                                               "sha256": file_sha256(f)}
+    return found
+
+
+def fingerprint_difference(saved: dict, now: dict) -> str | None:
+    """How the model files recorded in a checkpoint (`saved`, a `source_fingerprint`) differ from those here
+    (`now`), or None when their contents are the same (times may differ). A record of an older marsi holds
+    [size, mtime_ns] per file, no digest: it matches only with equal times."""
+    missing, added = sorted(saved.keys() - now.keys()), sorted(now.keys() - saved.keys())
+    if missing or added:
+        parts = ([f"{', '.join(missing)} missing here"] if missing else []) + (
+            [f"{', '.join(added)} not in the checkpoint's record"] if added else [])
+        return "other files: " + "; ".join(parts)
+    changed, retimed = [], []
+    for file, then in sorted(saved.items()):
+        here = now[file]
+        if isinstance(then, list):  # [size, mtime_ns]: no digest recorded
+            if then[0] != here["size"]:
+                changed.append(file)
+            elif then[1] != here["mtime_ns"]:
+                retimed.append(file)
+        elif then["sha256"] != here["sha256"]:
+            changed.append(file)
+    if changed:
+        return f"the contents differ ({', '.join(changed)})"
+    if retimed:
+        return (f"only modification times differ ({', '.join(retimed)}), but this checkpoint was written by an older "
+                "marsi that recorded no content digest, so equal contents cannot be told; copy the model keeping "
+                "its times (rsync -a, cp -p)")
+    return None
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of the file at `path`, read once per node: cached under MARSI_CACHE/digests, keyed by the file's
+    absolute path, inode, size, modification time and change time (the last one no tool sets back, so a file
+    rewritten in place with its old modification time gets a new entry too)."""
+    stat = path.stat()
+    identity = f"{path.resolve()}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()
+    entry = cache_dir() / "digests" / key
+    try:
+        cached = entry.read_text().strip()
+    except OSError:
+        cached = ""
+    if len(cached) == 64:
+        return cached
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    try:  # whole or not at all: another trainer on this node may write the same entry
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f".{key}.{os.getpid()}.tmp")
+        tmp.write_text(value)
+        os.replace(tmp, entry)
+    except OSError:
+        pass  # a read-only cache: the digest is computed again next time
+    return value
 
 
 def context_problem(config, prompt_length: int, completion_length: int) -> str | None:

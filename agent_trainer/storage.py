@@ -290,13 +290,13 @@ def load(trainer: Any, *, source: Location, files: dict[str, str] | None = None)
     if place is not None:
         problem = check_tree(place, files) if files is not None else None
         if problem is None:
-            trainer.load(place)
+            trainer.load(place, checkpoint=str(source))
         return problem
     with staging() as local:
         wanted = files if files is not None else dict.fromkeys(file_sizes(source))
         problem = download(source, wanted, local)
         if problem is None:
-            trainer.load(local)
+            trainer.load(local, checkpoint=str(source))
     return problem
 
 

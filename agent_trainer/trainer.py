@@ -64,10 +64,11 @@ from agent_trainer import attention, losses, precision, rng, sampling, shared_pr
 from agent_trainer.engine_kinds import make_engine
 from agent_trainer.engines import left_pad, model_logps
 from agent_trainer.models import (
-    DTYPES, SOURCE_MARKER, context_problem, load_model, resolve_model_path, source_fingerprint,
+    DTYPES, SOURCE_MARKER, context_problem, fingerprint_difference, load_model, resolve_model_path, source_fingerprint,
 )
 from agent_trainer.workers import SingleWorker
 from protocols.config import AgentConfig, AlgorithmConfig
+from protocols.errors import UserError
 from protocols.messages import (
     CheckpointInfo, Completion, Experience, GenerateRequest, GenerateResult, Prompt, UpdateRequest, UpdateResult,
     WeightDigests, check_experiences,
@@ -82,6 +83,9 @@ def pick_device(num_gpus: float) -> torch.device:
 
 class AgentTrainer:
     """Generates completions for prompts and, unless frozen, updates its policy from scored completions."""
+
+    where = "this machine"
+    """How messages name the node this trainer runs on (its host sets it: `node NAME (IP, id ...)` under Ray)."""
 
     def __init__(self, name: str, agent: AgentConfig, algorithm: AlgorithmConfig, *, seed: int = 0,
                  total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True):
@@ -352,15 +356,15 @@ class AgentTrainer:
                 self.scaler.load_state_dict(state["scaler"])
         rng.restore(state["rng"])
 
-    def load(self, path: str | Path) -> CheckpointInfo:
+    def load(self, path: str | Path, *, checkpoint: str | None = None) -> CheckpointInfo:
+        """Load what `save` wrote at `path`; `checkpoint` is how messages name it (the checkpoint in the store,
+        where `path` is a copy staged on this node), `path` itself by default."""
         path = Path(path)
         marker = path / SOURCE_MARKER
         if marker.exists():  # the weights are agent.model's
             saved = json.loads(marker.read_text())
-            if saved["model"] != self.agent.model or saved["fingerprint"] != source_fingerprint(self.agent.model):
-                raise ValueError(
-                    f"agent {self.name!r}: checkpoint {path} refers to the weights of {saved['model']!r}, which "
-                    f"have changed since (now {self.agent.model!r}); restore that model or start a new run")
+            check_same_source(self.name, saved, {"model": self.agent.model, "fingerprint": source_fingerprint(self.agent.model)},
+                              checkpoint=checkpoint or str(path), where=self.where)
             if not self._weights_are_source():  # trained since it started: back to the model's weights
                 self._set_weights(load_model(self.agent.model, tokenizer=self.agent.tokenizer, device=self.device,
                                              dtype=str(self.model.dtype).removeprefix("torch."))[0])
@@ -514,3 +518,23 @@ def _collate(experiences: list[Experience], pad: int, temperature: float, device
     if all(e.old_per_token_logps is not None for e in experiences):
         old, _ = _right_pad([e.old_per_token_logps for e in experiences], 0.0, torch.float32, device)
     return Batch(prompt_ids, prompt_mask, prompt_index, completion_ids, completion_mask, advantages, old, temperatures)
+
+
+class ModelChanged(UserError, ValueError):
+    """A checkpoint names its agent's model instead of copying its weights, and that model is not the same here."""
+
+
+def check_same_source(agent: str, saved: dict, now: dict, *, checkpoint: str, where: str) -> None:
+    """Raise ModelChanged unless the model (and adapter) files a checkpoint's `source.json` records (`saved`) have
+    the contents of those on this node (`now`); the message names the checkpoint, the node, the path and whether
+    the contents or only the times differ."""
+    for key, fingerprint in (("model", "fingerprint"), ("adapter", "adapter_fingerprint")):
+        if saved.get(key) != now.get(key):
+            raise ModelChanged(f"agent {agent!r}: checkpoint {checkpoint} refers to {key} {saved.get(key)!r}, but the "
+                               f"config now gives {now.get(key)!r}; restore agents.{agent}.{'adapter.path' if key == 'adapter' else key} "
+                               "or start a new run")
+        difference = fingerprint_difference(saved.get(fingerprint, {}), now.get(fingerprint, {}))
+        if difference:
+            raise ModelChanged(f"agent {agent!r}: checkpoint {checkpoint} refers to {key} {saved[key]!r} as it was when "
+                               f"saved; at {resolve_model_path(saved[key])} on {where} {difference}; put the same files "
+                               "there on every node that may host the agent, or start a new run")

@@ -370,9 +370,13 @@ def test_frozen_agent_refuses_a_changed_source(tmp_path):
     frozen = AgentTrainer("judge", AgentConfig(model=source), AlgorithmConfig(), trainable=False)
     frozen.save(tmp_path / "ckpt")
     weights = Path(source) / "model.safetensors"
-    weights.write_bytes(weights.read_bytes())  # rewritten since the checkpoint: maybe other weights
+    weights.write_bytes(weights.read_bytes())  # rewritten, same bytes: other times only, the same model
     fresh = AgentTrainer("judge", AgentConfig(model=source), AlgorithmConfig(), trainable=False)
-    with pytest.raises(ValueError, match="agent 'judge': checkpoint .* refers to the weights of .* changed since"):
+    fresh.load(tmp_path / "ckpt")
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # other weights
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"agent 'judge': checkpoint .* refers to model .* the contents differ \(model.safetensors\)"):
         fresh.load(tmp_path / "ckpt")
 
 
