@@ -166,21 +166,27 @@ def upload(local: Path, dest: Location) -> dict[str, tuple[str, int]]:
     """Stream every file under `local` to `dest`, hashing as it goes: relative name -> (sha256, size)."""
     files = {}
     made = set()
-    filesystem = _fs(dest)[0]
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
         name = path.relative_to(local).as_posix()
         target = dest / name
         if target.parent.key not in made:
             _make_parent(target)
             made.add(target.parent.key)
-        digest, size = hashlib.sha256(), 0
-        with open(path, "rb") as src, filesystem.open_output_stream(_fs(target)[1]) as out:
-            while chunk := src.read(CHUNK):
-                digest.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
-        files[name] = (digest.hexdigest(), size)
+        files[name] = upload_file(path, target, make_parent=False)
     return files
+
+
+def upload_file(path: Path, target: Location, *, make_parent: bool = True) -> tuple[str, int]:
+    """Stream the file at `path` to `target`, hashing as it goes: (sha256, size)."""
+    if make_parent:
+        _make_parent(target)
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as src, _fs(target)[0].open_output_stream(_fs(target)[1]) as out:
+        while chunk := src.read(CHUNK):
+            digest.update(chunk)
+            out.write(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
 
 
 def download(src: Location, files: dict[str, str | None], local: Path) -> str | None:

@@ -23,14 +23,14 @@ from agent_trainer.agent import Agent
 from agent_trainer.handle import TrainerFailure, TrainerPool
 from agent_trainer.precision import emulation_warning
 from agent_trainer.storage import StorageError
-from orchestrator import rollout
+from orchestrator import rollout, runstore
 from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines, zero_variance_shares
 from orchestrator.console import phase, progress
 from orchestrator.data import DataPosition, load_samples, next_batch
 from orchestrator.evaluation import Evaluation, partner_agents
 from orchestrator.runlog import (
     EVAL_TRANSCRIPTS, CheckpointName, RunDirError, RunLog, agent_files, as_checkpoint, checkpoint_problem,
-    read_checkpoint_state,
+    read_checkpoint_state, recorded_place,
 )
 from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
 from protocols.config import ConfigError, RunConfig, load_config
@@ -209,10 +209,17 @@ class Coordinator:
             self.log.release()
 
     @classmethod
-    def resume(cls, run_dir: str | Path, overrides: list[str] | None = None) -> Coordinator:
+    def resume(cls, run_dir: str | Path, overrides: list[str] | None = None, *,
+               fetch_to: str | Path | None = None) -> Coordinator:
         """A started coordinator for `run_dir`, restored from its newest intact checkpoint.
         `overrides` (dotted.key=value) change the stored config, e.g. `train.steps=200` to extend a run;
-        they are checked against the checkpoint first and written to config.yaml only once it is restored."""
+        they are checked against the checkpoint first and written to config.yaml only once it is restored.
+        `run_dir` may be the run's place in its store (`STORAGE/RUN_NAME`, a URI): the run directory is then
+        fetched from there into `fetch_to` (new or empty; default `fetched_run_dir`) and the run goes on there."""
+        if runstore.is_place(run_dir):
+            place = runstore.as_place(run_dir)
+            run_dir = Path(fetch_to) if fetch_to is not None else fetched_run_dir(place)
+            runstore.fetch_run(place, run_dir)
         run_dir = Path(run_dir)
         config = load_config(run_dir / "config.yaml", overrides)
         check_resume(config, load_config(run_dir / "config.yaml", check_imports=False), RunLog(run_dir))
@@ -324,6 +331,8 @@ class Coordinator:
             stored = self.pool.each(Agent.save, requests, timeout=self.config.train.checkpoint_timeout_s)
             files = {f"agents/{a}/{name}": (digest, report.sizes[name])
                      for a, report in stored.items() for name, digest in report.files.items()}
+            if self.log.storage is not None:  # the store alone holds the run: its records go with each checkpoint
+                files.update(runstore.mirror(self.log, staging))
             return self.log.commit_checkpoint(staging, self.state.step, asdict(self.state), self.config.train.keep_checkpoints,
                                               files=files)
         except BaseException as exc:
@@ -349,7 +358,7 @@ class Coordinator:
         loading is a trainer failure (see `recover`), not damage."""
         candidates = [as_checkpoint(path)] if path is not None else list(reversed(self.log.checkpoints()))
         if not candidates:
-            raise FileNotFoundError(f"{self.log.dir}: no complete checkpoint to resume from; start the run anew with marsi run")
+            raise FileNotFoundError(no_checkpoint(self.log))
         for i, candidate in enumerate(candidates):
             problem = checkpoint_problem(candidate)
             if problem is None:
@@ -508,6 +517,22 @@ class Coordinator:
         return history
 
 
+def no_checkpoint(log: RunLog) -> str:
+    """Why a run cannot be resumed: no complete checkpoint where its checkpoints go (named, since with
+    train.storage that is not the run directory)."""
+    where = "" if log.storage is None else f" in {log.checkpoint_dir()}"
+    renamed = "" if log.storage is None or recorded_place(log.dir) is not None else (
+        "; the run's place in storage is named after its run directory when it began, so a renamed run directory "
+        "looks under its new name: resume the place itself, marsi resume STORAGE/RUN_NAME")
+    return f"{log.dir}: no complete checkpoint to resume from{where}; start the run anew with marsi run{renamed}"
+
+
+def fetched_run_dir(place: Location) -> Path:
+    """Where `marsi resume STORAGE/RUN_NAME` puts the run directory it fetches: `runs/RUN_NAME` (below the
+    current directory)."""
+    return Path("runs") / place.name
+
+
 class ResumeError(UserError, ValueError):
     """Overrides that cannot apply to a run's checkpoints; nothing in the run directory was changed."""
 
@@ -516,7 +541,7 @@ def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
     """Refuse, before anything is touched, a resume whose config cannot continue the run's checkpoints."""
     done = log.steps_done()
     if done is None:
-        raise FileNotFoundError(f"{log.dir}: no complete checkpoint to resume from; start the run anew with marsi run")
+        raise FileNotFoundError(no_checkpoint(log))
     if set(config.agents) != set(stored.agents):
         raise ResumeError(f"{log.dir}: a resumed run keeps its agents ({', '.join(stored.agents)}); the overrides make "
                           f"them {', '.join(config.agents)}; start a new run for other agents")

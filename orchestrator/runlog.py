@@ -52,6 +52,7 @@ CHECKPOINT_DONE = "coordinator.json"  # written last: a checkpoint without it is
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 TRANSCRIPTS = "transcripts.jsonl"
 EVAL_TRANSCRIPTS = "eval_transcripts.jsonl"
+STORE_RECORD = "store.json"  # with train.storage: the run's place in the store (STORAGE/RUN_NAME)
 _STATE_KEYS = ("step", "episodes", "data", "baselines", "manifest")
 
 
@@ -117,6 +118,7 @@ class RunLog:
         self.dir = Path(run_dir)
         self.logging = logging or LoggingConfig()
         self.storage = storage if storage is not None else recorded_storage(self.dir)
+        self._place = recorded_place(self.dir) if self.storage is not None else None
         self.loggers: list[Logger] = []  # TensorBoard, W&B: opened by claim()
         self._lock = None
         self._full: set[str] = set()  # transcript files that reached train.transcripts_max_mb
@@ -159,8 +161,12 @@ class RunLog:
         try:
             if not resume and self.checkpoints():
                 raise RunDirError(f"train.storage: {root} already holds checkpoints of a run named {self.dir.resolve().name}; "
-                                  "give a new --run-dir (its name names the run's place in storage) or another train.storage")
+                                  f"continue that run with: marsi resume {root.parent}; or give a new --run-dir (its name "
+                                  "names the run's place in storage) or another train.storage")
             storage.make_dirs(root)
+            if not resume and self.storage is not None:
+                self._place = root.parent
+                (self.dir / STORE_RECORD).write_text(json.dumps({"place": str(self._place)}) + "\n")
         except OSError as exc:
             store = f"train.storage {self.storage}" if self.storage else "the run directory"
             raise StorageError(f"{store}: cannot use {root} ({' '.join(str(exc).split())}); "
@@ -179,8 +185,9 @@ class RunLog:
         if self._lock is None:
             return
         self._close_loggers()
-        if self.dir.is_dir() and {p.name for p in self.dir.iterdir()} <= {".lock", "checkpoints"}:
+        if self.dir.is_dir() and {p.name for p in self.dir.iterdir()} <= {".lock", "checkpoints", STORE_RECORD}:
             (self.dir / ".lock").unlink(missing_ok=True)
+            (self.dir / STORE_RECORD).unlink(missing_ok=True)
             self._remove_empty_place()
             with contextlib.suppress(OSError):
                 self.dir.rmdir()
@@ -246,7 +253,7 @@ class RunLog:
         if (self.dir / "metrics.jsonl").exists() and self.metrics():
             return False
         self._close_loggers()  # before their directories go
-        for name in ("config.yaml", "metrics.jsonl", "transcripts.jsonl", ".lock"):
+        for name in ("config.yaml", "metrics.jsonl", "transcripts.jsonl", ".lock", STORE_RECORD):
             (self.dir / name).unlink(missing_ok=True)
         for name in ("source", "tensorboard", "wandb"):
             shutil.rmtree(self.dir / name, ignore_errors=True)
@@ -311,11 +318,16 @@ class RunLog:
         return read_jsonl(self.dir / "metrics.jsonl")
 
     # -------------------------------------------------------------------------------- checkpoints
+    def place(self) -> Location:
+        """The run's place in its store: the run directory, or STORAGE/RUN_NAME (as RUN_DIR/store.json records it,
+        so a renamed run directory still finds it; RUN_NAME is the run directory's name when the run began)."""
+        if self.storage is None:
+            return Location.parse(self.dir)
+        return self._place or Location.parse(self.storage) / self.dir.resolve().name
+
     def checkpoint_dir(self) -> Location:
         """Where this run's checkpoints go: RUN_DIR/checkpoints, or STORAGE/RUN_NAME/checkpoints."""
-        if self.storage is None:
-            return Location.parse(self.dir) / "checkpoints"
-        return Location.parse(self.storage) / self.dir.resolve().name / "checkpoints"
+        return self.place() / "checkpoints"
 
     def staging_path(self, step: int) -> Location:
         """Where to write the checkpoint of `step`: its own place in the store, emptied (its commit record first)."""
@@ -360,9 +372,7 @@ class RunLog:
 
     def checkpoints(self) -> list[Location]:
         """Complete checkpoints, oldest first (by step number, not by name)."""
-        root = self.checkpoint_dir()
-        found = [root / name for name in storage.subdirectories(root) if CheckpointName.parse(name)]
-        return sorted((c for c in found if storage.exists(c / CHECKPOINT_DONE)), key=CheckpointName.of)
+        return complete_checkpoints(self.checkpoint_dir())
 
     def find_checkpoint(self, name: str) -> Location | None:
         """The complete checkpoint a user names (`step-000015` or `step-15`), or None."""
@@ -389,6 +399,20 @@ class RunLog:
         for name in [f"{storage.PROBE_PREFIX}{token}", *(f"{storage.PROBE_PREFIX}{token}-{a}" for a in agents)]:
             with contextlib.suppress(OSError):
                 storage.delete_file(self.checkpoint_dir() / name)
+
+
+def complete_checkpoints(root: Location) -> list[Location]:
+    """The complete checkpoints below `root` (a run's `checkpoints`), oldest first (by step number, not by name)."""
+    found = [root / name for name in storage.subdirectories(root) if CheckpointName.parse(name)]
+    return sorted((c for c in found if storage.exists(c / CHECKPOINT_DONE)), key=CheckpointName.of)
+
+
+def recorded_place(run_dir: Path) -> Location | None:
+    """The run's place in storage as RUN_DIR/store.json records it (None: no record, as in runs of older marsi)."""
+    try:
+        return Location.parse(json.loads((run_dir / STORE_RECORD).read_text())["place"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def recorded_storage(run_dir: Path) -> str | None:

@@ -205,3 +205,50 @@ def test_a_commit_record_is_moved_over_the_old_one(tmp_path, root):
     storage.commit_bytes(record, b"new")
     assert storage.read_bytes(record) == b"new"
     assert storage.file_sizes(base / "checkpoints") == {"step-000001/coordinator.json": 3}
+
+
+def test_the_store_alone_resumes_a_run_history_included(tmp_path, node_tmp, reference):
+    """With train.storage, each checkpoint carries the run directory's records (config, source, metrics,
+    transcripts); with the run directory gone, a resume from the run's place in the store fetches them and
+    ends with the metrics of an uninterrupted run, every step's row included."""
+    import shutil
+
+    store = f"file://{tmp_path}/store"
+    run_dir = tmp_path / "run"
+    with Coordinator(validate_config(raw_config(steps=2, storage=store)), run_dir) as coord:
+        coord.run()
+    manifest = read_checkpoint_state(RunLog(run_dir).latest_checkpoint())["manifest"]
+    assert {"run/config.yaml", "run/metrics.jsonl", "run/transcripts.jsonl", "run/source/envs.py"} <= set(manifest)
+    shutil.rmtree(run_dir)  # the coordinator's machine is gone
+    fetched = tmp_path / "elsewhere" / "renamed"
+    with Coordinator.resume(f"{store}/run", ["train.steps=4"], fetch_to=fetched) as coord:
+        assert coord.state.step == 2
+        coord.run()
+    assert without_times(rows(fetched)) == reference
+    log = RunLog(fetched)  # the run goes on in its place in the store, whatever the new directory's name
+    assert [str(c) for c in log.checkpoints()] == [f"{store}/run/checkpoints/step-00000{i}" for i in (3, 4)]
+    assert not (tmp_path / "store" / "renamed").exists()
+    shutil.rmtree(fetched)
+    with Coordinator.resume(f"{store}/run/checkpoints", ["train.steps=4"], fetch_to=fetched) as coord:
+        assert coord.state.step == 4  # the newest checkpoint's records: every step, history included
+    assert without_times(rows(fetched)) == reference
+
+
+def test_a_place_without_records_says_where_it_looked(tmp_path):
+    with pytest.raises(FileNotFoundError) as info:
+        Coordinator.resume(f"file://{tmp_path}/store/gone", fetch_to=tmp_path / "run")
+    assert_documented("resume_place_without_records", info.value, STORE=f"file://{tmp_path}/store/gone")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_renamed_run_directory_finds_its_place_in_storage(tmp_path, node_tmp):
+    store = f"file://{tmp_path}/store"
+    with Coordinator(validate_config(raw_config(steps=1, storage=store)), tmp_path / "run") as coord:
+        coord.run()
+    (tmp_path / "run").rename(tmp_path / "renamed")
+    with Coordinator.resume(tmp_path / "renamed", ["train.steps=2"]) as coord:
+        assert coord.state.step == 1 and str(coord.restored_from) == f"{store}/run/checkpoints/step-000001"
+    (tmp_path / "renamed" / "store.json").unlink()  # as a run of an older marsi: the place follows the name
+    with pytest.raises(FileNotFoundError) as info:
+        Coordinator.resume(tmp_path / "renamed")
+    assert_documented("resume_renamed_run_dir", info.value, RUN=tmp_path / "renamed", STORE=store)
