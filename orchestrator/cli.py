@@ -37,8 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted.key=value applied on top of the file, e.g. train.steps=5")
     p.add_argument("--run-dir", help="run directory (default: train.run_dir)")
     p = sub.add_parser("resume", parents=[common], help="continue a run from its newest checkpoint")
-    p.add_argument("run_dir", help="the run directory to continue")
+    p.add_argument("run_dir", help="the run directory to continue, or the run's place in train.storage "
+                   "(STORAGE/RUN_NAME), which holds the whole run")
     p.add_argument("overrides", nargs="*", help="change the stored config, e.g. train.steps=400 to extend the run")
+    p.add_argument("--run-dir", dest="fetch_to", help="with a place in storage: the (new or empty) run directory to "
+                   "fetch the run into and go on in (default: runs/RUN_NAME)")
     p = sub.add_parser("validate", parents=[common],
                        help="check a config; print the schedule and role assignment of the first steps")
     p.add_argument("config", help="the YAML config file to check")
@@ -51,13 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
             ("report", "write one self-contained HTML report of runs: curves, evaluations, episodes, config",
              "the HTML file to write (default: report.html in the first run directory)")):
         p = sub.add_parser(name, parents=[common], help=what)
-        p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories, overlaid in the curves")
+        p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (or runs' places in "
+                       "train.storage, STORAGE/RUN_NAME), overlaid in the curves")
         p.add_argument("--out", help=out)
         p.add_argument("--smoothing", type=_smoothing, default=None,
                        help="weight of the moving average drawn over the raw reward, in [0, 1) (default: 0.6)")
     p = sub.add_parser("eval", parents=[common],
                        help="evaluate a run's checkpoints (or a config's initial models) on the eval set")
-    p.add_argument("target", help="a run directory, or a config file (its initial models)")
+    p.add_argument("target", help="a run directory (or the run's place in train.storage, STORAGE/RUN_NAME), or a "
+                   "config file (its initial models)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value over the stored config, e.g. eval.episodes_per_sample=4")
     p.add_argument("--checkpoint", default=None, help="initial | last | all | step-N (default: last; initial for a config)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="evaluate A and B (initial, last, step-N) and print "
@@ -66,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "or episode/KEY (e.g. episode/win in a zero-sum game)")
     p = sub.add_parser("export", parents=[common],
                        help="write one agent of a run as a Hugging Face model (an adapter merged into its base)")
-    p.add_argument("run_dir", help="the run directory")
+    p.add_argument("run_dir", help="the run directory, or the run's place in train.storage (STORAGE/RUN_NAME)")
     p.add_argument("--agent", required=True, help="the agent to export")
     p.add_argument("--out", required=True, help="a new (or empty) directory for the model")
     p.add_argument("--checkpoint", default="last", help="last (default) | step-N")
@@ -114,9 +119,19 @@ def cmd_run(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from orchestrator.coordinator import Coordinator, check_resume
+    from orchestrator import runstore
+    from orchestrator.coordinator import Coordinator, check_resume, fetched_run_dir
     from orchestrator.runlog import RunLog
 
+    target = args.run_dir
+    if runstore.is_place(target):  # the whole run is in the store: fetch its run directory, then go on there
+        place = runstore.as_place(target)
+        run_dir = Path(args.fetch_to) if args.fetch_to else fetched_run_dir(place)
+        checkpoint = runstore.fetch_run(place, run_dir)
+        print(f"marsi: fetched the run at {place} ({checkpoint.name}) into {run_dir}", file=sys.stderr)
+        args.run_dir = str(run_dir)
+    elif args.fetch_to:
+        raise UserError(f"--run-dir {args.fetch_to}: only with a run's place in storage; {target} is a run directory")
     stored = Path(args.run_dir) / "config.yaml"
     config, log = load_config(stored, args.overrides), RunLog(args.run_dir)
     check_resume(config, load_config(stored, check_imports=False), log)
@@ -311,13 +326,21 @@ def _trial_episode(env, sample, seed: int) -> tuple[dict[int, set[str]], dict]:
 
 
 def cmd_eval(args) -> int:
-    """Evaluate checkpoints of a run (or a config's initial models); a run directory gets eval.jsonl rows."""
+    """Evaluate checkpoints of a run (or a config's initial models); a run directory gets eval.jsonl rows (a run
+    with train.storage: STORAGE/RUN_NAME/eval.jsonl too)."""
+    from orchestrator import runstore
+
+    with runstore.run_view(args.target) as target:
+        return _eval(args, target)
+
+
+def _eval(args, target: Path) -> int:
+    from orchestrator import runstore
     from orchestrator.coordinator import Coordinator
     from orchestrator.evaluation import compare
     from orchestrator.runlog import CheckpointName, RunLog
     from protocols.config import ConfigError
 
-    target = Path(args.target)
     is_run = target.is_dir()
     config = load_config(target / "config.yaml" if is_run else target, args.overrides + ["train.progress=false"])
     if config.eval is None:
@@ -340,8 +363,9 @@ def cmd_eval(args) -> int:
             result = coord.evaluation.run(coord.generate, coord.assignment)
             results[name], labels[name] = result, name if name != "last" else f"last (step {step})"
             if log is not None:
-                log.log_eval({"checkpoint": name, "step": step, "time": time.time(), **result.metrics,
-                              "episodes": result.episodes})
+                row = {"checkpoint": name, "step": step, "time": time.time(), **result.metrics, "episodes": result.episodes}
+                log.log_eval(row)
+                runstore.append_eval_rows(log, [row])
     _print_eval_table({labels[name]: result for name, result in results.items()})
     if args.compare:
         first, second = results[args.compare[0]], results[args.compare[1]]
@@ -430,29 +454,49 @@ def _smoothing(text: str) -> float:
 def cmd_plot(args) -> int:
     from orchestrator.plot import SMOOTHING, plot
 
-    for path in plot(args.run_dirs, args.out, SMOOTHING if args.smoothing is None else args.smoothing):
-        print(path)
+    with _run_views(args.run_dirs) as run_dirs:
+        out = args.out or (None if run_dirs[0] == Path(args.run_dirs[0]) else ".")  # a place in storage: here
+        for path in plot(run_dirs, out, SMOOTHING if args.smoothing is None else args.smoothing):
+            print(path)
     return 0
+
+
+@contextlib.contextmanager
+def _run_views(targets: list[str]):
+    """Run directories for `targets`: themselves, or temporary ones fetched from runs' places in storage."""
+    from orchestrator import runstore
+
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(runstore.run_view(t)) for t in targets]
 
 
 def cmd_report(args) -> int:
     from orchestrator.plot import SMOOTHING
     from orchestrator.report import report
 
-    print(report(args.run_dirs, args.out, SMOOTHING if args.smoothing is None else args.smoothing))
+    with _run_views(args.run_dirs) as run_dirs:
+        out = args.out or (None if run_dirs[0] == Path(args.run_dirs[0]) else "report.html")  # a place in storage: here
+        print(report(run_dirs, out, SMOOTHING if args.smoothing is None else args.smoothing))
     return 0
 
 
 def cmd_export(args) -> int:
     """Write an agent's weights at a checkpoint as a plain HF model: an adapter agent's adapter merged into its
     base (float32), a full-model agent's weights as saved, a frozen agent's source."""
+    from orchestrator import runstore
+
+    with runstore.run_view(args.run_dir) as run_dir:
+        return _export_run(args, run_dir)
+
+
+def _export_run(args, run_dir: Path) -> int:
     import shutil
     import tempfile
 
     from orchestrator.runlog import RunLog, checkpoint_problem
     from protocols.config import ConfigError
 
-    run_dir, out = Path(args.run_dir), Path(args.out)
+    out = Path(args.out)
     config = load_config(run_dir / "config.yaml", check_imports=False)
     if args.agent not in config.agents:
         raise ConfigError(f"--agent {args.agent}: no such agent in {run_dir}; agents: {', '.join(config.agents)}")

@@ -252,3 +252,37 @@ def test_a_renamed_run_directory_finds_its_place_in_storage(tmp_path, node_tmp):
     with pytest.raises(FileNotFoundError) as info:
         Coordinator.resume(tmp_path / "renamed")
     assert_documented("resume_renamed_run_dir", info.value, RUN=tmp_path / "renamed", STORE=store)
+
+
+@pytest.mark.subprocess
+def test_every_command_takes_the_runs_place_in_storage(tmp_path):
+    """`marsi resume | eval | export | plot | report` given STORAGE/RUN_NAME alone, the run directory gone; a short
+    step name (step-1) names a checkpoint; `marsi eval`'s rows go to the store."""
+    import shutil
+
+    from tests.runs import marsi, write
+    from tests.test_evaluation import with_eval
+
+    store = f"file://{tmp_path}/store"
+    raw = with_eval(raw_config(steps=2, storage=store), episodes_per_sample=1)
+    out = marsi("run", write(tmp_path, raw), "--run-dir", tmp_path / "run")
+    assert out.returncode == 0, out.stderr
+    before = rows(tmp_path / "run")
+    shutil.rmtree(tmp_path / "run")
+    place = f"{store}/run"
+    out = marsi("export", place, "--agent", "a", "--out", tmp_path / "model", "--checkpoint", "step-1")
+    assert out.returncode == 0 and "at step-000001" in out.stdout, out.stderr
+    assert (tmp_path / "model" / "config.json").is_file()
+    out = marsi("eval", place, "--checkpoint", "step-2")
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["checkpoint"] for line in (tmp_path / "store" / "run" / "eval.jsonl").read_text().splitlines()] == ["step-2"]
+    out = marsi("report", place, "--out", tmp_path / "report.html")
+    assert out.returncode == 0 and (tmp_path / "report.html").is_file(), out.stderr
+    out = marsi("plot", place, "--out", tmp_path / "plots")
+    assert out.returncode == 0 and (tmp_path / "plots" / "reward.png").is_file(), out.stderr
+    out = marsi("resume", place, "train.steps=3", "--run-dir", tmp_path / "again")
+    assert out.returncode == 0, out.stderr
+    assert f"fetched the run at {place} (step-000002) into {tmp_path / 'again'}" in out.stderr
+    assert [r["step"] for r in rows(tmp_path / "again")] == [r["step"] for r in before] + [3, 3]  # a step, its evaluation
+    assert (tmp_path / "again" / "eval.jsonl").is_file()  # marsi eval's rows came with it
+    assert sorted(p.name for p in (tmp_path / "store" / "run" / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
