@@ -15,7 +15,8 @@ old one and renamed over it. `coordinator.json` is written last and carries a ch
 every other file of its checkpoint, as the trainers that wrote them reported, and of itself.
 
 With `train.storage` set, checkpoints live at `STORAGE/RUN_NAME/checkpoints/step-N/` instead, with the
-same layout; the rest of the run directory stays on the coordinator's machine. Either way a checkpoint
+same layout, each also carrying the run directory's records (`orchestrator/runstore.py`), and
+`RUN_DIR/store.json` records that place (so a renamed run directory finds it). Either way a checkpoint
 is a `Location` in the checkpoint store (agent_trainer/storage.py; `RUN_DIR/checkpoints` is a `file://`
 location), written, committed, listed, checked and pruned the same way: trainers write straight into
 `step-N/`, and the checkpoint counts once `coordinator.json` is there (put in place whole, last).

@@ -378,7 +378,8 @@ class TrainConfig(_Strict):
     `gs://...`, `hdfs://...`, `file:///shared/path`, or a path on a shared filesystem (relative to the config
     file); checkpoints go to `STORAGE/RUN_NAME/checkpoints/`, and each trainer uploads and downloads its own
     files there through pyarrow.fs (object stores take their credentials as pyarrow does: environment, config
-    files, instance roles)."""
+    files, instance roles). Each checkpoint there also carries the run directory's records (config, source,
+    metrics, transcripts), so `marsi resume STORAGE/RUN_NAME` continues the run from the store alone."""
     max_restarts: int = Field(3, ge=0)
     """Times a dead or hung trainer is restarted (all trainers restored from the last checkpoint) before the run stops."""
     call_timeout_s: float | None = Field(3600.0, gt=0.0)
