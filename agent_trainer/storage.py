@@ -28,6 +28,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,7 +36,7 @@ from typing import Any, Iterator
 from protocols.errors import UserError
 from protocols.messages import Location, StoredFiles
 
-__all__ = ["Location", "StorageError", "save", "load", "probe"]
+__all__ = ["Location", "StorageError", "StorageTimeout", "save", "load", "probe", "set_deadline"]
 
 CHUNK = 8 << 20  # bytes read or written at a time: a file is streamed, never held whole
 STAGING_PREFIX = "marsi-ckpt-"  # node-local staging directories: marsi-ckpt-<pid>-<random>
@@ -46,21 +47,125 @@ class StorageError(UserError, RuntimeError):
     """Checkpoint storage is unusable as configured (not shared by every node, unreachable, ...)."""
 
 
+deadline_s: float | None = 120.0
+"""Seconds any one call to the store may take (a listing, an open, one chunk read or written, a move; `train.storage_timeout_s`,
+set in the coordinator's and every trainer's process); None waits forever."""
+
+
+class StorageTimeout(StorageError):
+    """A call to the store did not answer within `deadline_s`."""
+
+
+def set_deadline(seconds: float | None) -> None:
+    global deadline_s
+    deadline_s = seconds
+
+
+def _within(what: str, fn, *args):
+    """`fn(*args)`, run in a thread of its own and given up after `deadline_s` (StorageTimeout naming `what`); the
+    call may go on in the background, where it harms nothing (no file is committed by it alone)."""
+    if deadline_s is None:
+        return fn(*args)
+    outcome: dict[str, Any] = {}
+
+    def call():
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller below
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=call, name="marsi-storage-call", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    if worker.is_alive():
+        raise StorageTimeout(f"storage: {what} did not answer within {deadline_s:g} s (train.storage_timeout_s); check "
+                             "that this machine reaches the store (network, URI, credentials), or raise "
+                             "train.storage_timeout_s for a slow one")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+class _Stream:
+    """A file stream of the store whose every read, write and close keeps the deadline."""
+
+    def __init__(self, raw, what: str):
+        self.raw, self.what = raw, what
+
+    def read(self, size: int = -1) -> bytes:
+        return _within(f"reading {self.what}", self.raw.read, size) if size >= 0 else _within(f"reading {self.what}", self.raw.read)
+
+    def write(self, data: bytes) -> None:
+        _within(f"writing {self.what}", self.raw.write, data)
+
+    def close(self) -> None:
+        _within(f"closing {self.what}", self.raw.close)
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Filesystem:
+    """A pyarrow filesystem whose every call keeps the deadline; messages name the place (`root` + path)."""
+
+    def __init__(self, raw, root: str):
+        self.raw, self.root = raw, root
+
+    def where(self, path: str) -> str:
+        return path if isinstance(self.raw, _local_fs()) else f"{self.root.split('://', 1)[0]}://{path.lstrip('/')}"
+
+    def get_file_info(self, target):
+        from pyarrow import fs
+
+        path = target.base_dir if isinstance(target, fs.FileSelector) else target
+        return _within(f"listing {self.where(path)}", self.raw.get_file_info, target)
+
+    def open_input_stream(self, path: str) -> _Stream:
+        return _Stream(_within(f"opening {self.where(path)}", self.raw.open_input_stream, path), self.where(path))
+
+    def open_output_stream(self, path: str) -> _Stream:
+        return _Stream(_within(f"creating {self.where(path)}", self.raw.open_output_stream, path), self.where(path))
+
+    def move(self, src: str, dest: str) -> None:
+        _within(f"moving {self.where(src)} to {self.where(dest)}", self.raw.move, src, dest)
+
+    def delete_file(self, path: str) -> None:
+        _within(f"deleting {self.where(path)}", self.raw.delete_file, path)
+
+    def delete_dir(self, path: str) -> None:
+        _within(f"deleting {self.where(path)}", self.raw.delete_dir, path)
+
+    def create_dir(self, path: str, recursive: bool = True) -> None:
+        _within(f"creating {self.where(path)}", functools.partial(self.raw.create_dir, path, recursive=recursive))
+
+
+def _local_fs():
+    from pyarrow import fs
+
+    return fs.LocalFileSystem
+
+
 @functools.lru_cache(maxsize=16)
 def _filesystem(root: str):
-    """(pyarrow filesystem, base path) of a storage root; built once per process (an S3 client resolves
-    credentials and region when it is made)."""
+    """(filesystem, base path) of a storage root; built once per process (an S3 client resolves credentials and
+    region when it is made), within the deadline."""
     from pyarrow import fs
 
     try:
-        return fs.FileSystem.from_uri(root)
+        raw, base = _within(f"opening {root}", fs.FileSystem.from_uri, root)
+    except StorageError:
+        raise
     except Exception as exc:
         raise StorageError(f"train.storage {root!r}: cannot open it ({' '.join(str(exc).split())}); check the "
                            "URI and, for object stores, the credentials") from None
+    return _Filesystem(raw, root), base
 
 
 def _fs(loc: Location):
-    """(pyarrow filesystem, this location's path inside it)."""
+    """(filesystem, this location's path inside it)."""
     filesystem, base = _filesystem(loc.root)
     base = base.rstrip("/")
     return filesystem, f"{base}/{loc.key}" if loc.key else (base or "/")
@@ -69,10 +174,8 @@ def _fs(loc: Location):
 def on_disk(loc: Location) -> Path | None:
     """`loc` as a path on this node's disk when its filesystem is one this node mounts (written and read in
     place), else None (an object store: files are staged on this node)."""
-    from pyarrow import fs
-
     filesystem, path = _fs(loc)
-    return Path(path) if isinstance(filesystem, fs.LocalFileSystem) else None
+    return Path(path) if isinstance(filesystem.raw, _local_fs()) else None
 
 
 # ------------------------------------------------------------------------------ files in the store

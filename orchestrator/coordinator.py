@@ -66,6 +66,7 @@ class Coordinator:
     def __init__(self, config: RunConfig, run_dir: str | Path | None = None, *, resume: bool = False):
         self.config = config
         self.resuming = resume
+        storage.set_deadline(config.train.storage_timeout_s)  # every call to the store from this process
         self.schedule = Schedule(config.schedule, list(config.agents))
         self.assignment = RoleAssignment(config.roles)
         self.make_env = rollout.env_factory(config.environment.name, config.environment.kwargs)

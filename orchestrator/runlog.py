@@ -123,6 +123,7 @@ class RunLog:
         self.loggers: list[Logger] = []  # TensorBoard, W&B: opened by claim()
         self._lock = None
         self._full: set[str] = set()  # transcript files that reached train.transcripts_max_mb
+        self._unreachable = False  # a call to the store timed out at claim: no cleanup there
 
     # ------------------------------------------------------------------------------------ claim
     def claim(self, *, resume: bool) -> None:
@@ -165,19 +166,24 @@ class RunLog:
                                   f"continue that run with: marsi resume {root.parent}; or give a new --run-dir (its name "
                                   "names the run's place in storage) or another train.storage")
             storage.make_dirs(root)
-            if not resume and self.storage is not None:
-                self._place = root.parent
-                (self.dir / STORE_RECORD).write_text(json.dumps({"place": str(self._place)}) + "\n")
+        except storage.StorageTimeout:
+            self._unreachable = True
+            raise
         except OSError as exc:
             store = f"train.storage {self.storage}" if self.storage else "the run directory"
             raise StorageError(f"{store}: cannot use {root} ({' '.join(str(exc).split())}); "
                                "check the URI, that it exists and is writable, and for object stores the credentials") from None
+        if not resume and self.storage is not None:
+            self._place = root.parent
+            (self.dir / STORE_RECORD).write_text(json.dumps({"place": str(self._place)}) + "\n")
 
     def _remove_empty_place(self) -> None:
         """Remove the run's place in the store (the run directory, or STORAGE/RUN_NAME), made at claim, if it
         holds no file."""
+        if self._unreachable:
+            return  # each call would wait train.storage_timeout_s again
         place = self.checkpoint_dir().parent
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, StorageError):
             if not storage.file_sizes(place):
                 storage.delete(place)
 
@@ -258,8 +264,9 @@ class RunLog:
             (self.dir / name).unlink(missing_ok=True)
         for name in ("source", "tensorboard", "wandb"):
             shutil.rmtree(self.dir / name, ignore_errors=True)
-        with contextlib.suppress(OSError):  # its checkpoints (a new run found their place empty)
-            storage.delete(self.checkpoint_dir())
+        with contextlib.suppress(OSError, StorageError):  # its checkpoints (a new run found their place empty)
+            if not self._unreachable:
+                storage.delete(self.checkpoint_dir())
         self._remove_empty_place()
         with contextlib.suppress(OSError):
             self.dir.rmdir()  # only if nothing else is in it
@@ -338,7 +345,7 @@ class RunLog:
 
     def abort_checkpoint(self, staging: Location) -> None:
         """Remove a checkpoint that will not be committed (it only takes space), its commit record first."""
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, StorageError):
             storage.delete(staging, first=CHECKPOINT_DONE)
 
     def commit_checkpoint(self, staging: Location, step: int, state: dict[str, Any], keep: int,
@@ -398,7 +405,7 @@ class RunLog:
 
     def remove_probes(self, token: str, agents: list[str]) -> None:
         for name in [f"{storage.PROBE_PREFIX}{token}", *(f"{storage.PROBE_PREFIX}{token}-{a}" for a in agents)]:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, StorageError):
                 storage.delete_file(self.checkpoint_dir() / name)
 
 

@@ -380,6 +380,10 @@ class TrainConfig(_Strict):
     files there through pyarrow.fs (object stores take their credentials as pyarrow does: environment, config
     files, instance roles). Each checkpoint there also carries the run directory's records (config, source,
     metrics, transcripts), so `marsi resume STORAGE/RUN_NAME` continues the run from the store alone."""
+    storage_timeout_s: float | None = Field(120.0, gt=0.0)
+    """Seconds any one call to checkpoint storage may take (a listing, opening a file, one 8 MiB chunk read or
+    written, a move), on the coordinator and on every trainer; a call that takes longer stops with one line
+    naming what was being done and where (an unreachable bucket, a hung NFS mount). None waits forever."""
     max_restarts: int = Field(3, ge=0)
     """Times a dead or hung trainer is restarted (all trainers restored from the last checkpoint) before the run stops."""
     call_timeout_s: float | None = Field(3600.0, gt=0.0)

@@ -286,3 +286,40 @@ def test_every_command_takes_the_runs_place_in_storage(tmp_path):
     assert [r["step"] for r in rows(tmp_path / "again")] == [r["step"] for r in before] + [3, 3]  # a step, its evaluation
     assert (tmp_path / "again" / "eval.jsonl").is_file()  # marsi eval's rows came with it
     assert sorted(p.name for p in (tmp_path / "store" / "run" / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+
+
+class _HangingFilesystem:
+    """A filesystem that never answers (a bucket behind a network that drops every packet)."""
+
+    def __init__(self, release):
+        self.release = release
+
+    def get_file_info(self, target):
+        self.release.wait()
+        raise OSError("gave up")
+
+    create_dir = open_output_stream = open_input_stream = get_file_info
+
+
+def test_an_unreachable_store_fails_within_the_deadline_in_one_line(tmp_path, monkeypatch):
+    import threading
+
+    from pyarrow import fs
+
+    release = threading.Event()
+    real = storage._filesystem.__wrapped__
+
+    def hanging(root):
+        if root.startswith("gs://"):
+            return storage._Filesystem(_HangingFilesystem(release), root), "no-such-bucket/x"
+        return real(root)
+
+    monkeypatch.setattr(storage, "_filesystem", hanging)
+    raw = raw_config(steps=1, storage="gs://no-such-bucket/x", storage_timeout_s=0.2)
+    try:
+        with pytest.raises(storage.StorageTimeout) as info:
+            Coordinator(validate_config(raw), tmp_path / "run").start()
+    finally:
+        release.set()
+    assert_documented("storage_no_answer", info.value)
+    assert not (tmp_path / "run").exists()
