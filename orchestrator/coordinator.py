@@ -337,8 +337,8 @@ class Coordinator:
             return self.log.commit_checkpoint(staging, self.state.step, asdict(self.state), self.config.train.keep_checkpoints,
                                               files=files)
         except BaseException as exc:
-            full = self.log.disk_full(exc)
-            problem = self.log.disk_problem(exc) if full else None  # measured before the cleanup frees space
+            full = self.log.disk_full(exc, checkpoint=True)
+            problem = self.log.disk_problem(exc, checkpoint=True) if full else None  # measured before the cleanup frees space
             self.log.abort_checkpoint(staging)  # a half-written checkpoint only takes space
             if full:
                 raise RunDirError(problem) from exc

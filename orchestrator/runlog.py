@@ -124,6 +124,7 @@ class RunLog:
         self._lock = None
         self._full: set[str] = set()  # transcript files that reached train.transcripts_max_mb
         self._unreachable = False  # a call to the store timed out at claim: no cleanup there
+        self._made_root = False  # train.storage did not exist before this run made it (removed again if left empty)
 
     # ------------------------------------------------------------------------------------ claim
     def claim(self, *, resume: bool) -> None:
@@ -161,6 +162,7 @@ class RunLog:
         holds no run, it holds none); it is made now, so an unreachable store fails before any trainer starts."""
         root = self.checkpoint_dir()
         try:
+            self._made_root = self.storage is not None and not resume and not storage.exists(Location.parse(self.storage))
             if not resume and self.checkpoints():
                 raise RunDirError(f"train.storage: {root} already holds checkpoints of a run named {self.dir.resolve().name}; "
                                   f"continue that run with: marsi resume {root.parent}; or give a new --run-dir (its name "
@@ -179,13 +181,16 @@ class RunLog:
 
     def _remove_empty_place(self) -> None:
         """Remove the run's place in the store (the run directory, or STORAGE/RUN_NAME), made at claim, if it
-        holds no file."""
+        holds no file; and train.storage itself if this run made it and it holds no file either."""
         if self._unreachable:
             return  # each call would wait train.storage_timeout_s again
         place = self.checkpoint_dir().parent
         with contextlib.suppress(OSError, StorageError):
             if not storage.file_sizes(place):
                 storage.delete(place)
+            root = Location.parse(self.storage) if self.storage is not None else None
+            if self._made_root and not storage.file_sizes(root):  # an object store's prefix made for this run only
+                storage.delete(root)
 
     def release(self) -> None:
         """Give up the directory; one that still holds nothing (a run that failed to start) is removed."""
@@ -206,9 +211,24 @@ class RunLog:
         for logger in loggers:
             logger.close()
 
-    def disk_full(self, exc: BaseException) -> bool:
+    def _disk(self, checkpoint: bool) -> tuple[str, Path | None]:
+        """What a failed write went to, and its path on this machine's disk (None: an object store): the run
+        directory, or (`checkpoint`) the checkpoint store."""
+        if not checkpoint or self.storage is None:
+            return str(self.dir), self.dir
+        root = self.checkpoint_dir()
+        try:
+            local = storage.on_disk(root)
+        except (OSError, StorageError):
+            local = None
+        while local is not None and not local.exists() and local != local.parent:
+            local = local.parent  # the nearest directory that exists: the same filesystem
+        return f"train.storage {root}", local
+
+    def disk_full(self, exc: BaseException, *, checkpoint: bool = False) -> bool:
         """Whether a failed write looks like a full or read-only disk: an OSError saying so anywhere in the
-        chain (a trainer in another process reports it as text), or almost no space left on this disk."""
+        chain (a trainer in another process reports it as text), or almost no space left on the disk written to
+        (the checkpoint store's, with `checkpoint`)."""
         chain, seen = [], exc
         while seen is not None:
             chain.append(seen)
@@ -217,22 +237,28 @@ class RunLog:
             return True
         if any(text in str(e) for e in chain for text in ("No space left", "Read-only file system", "quota")):
             return True
+        _, local = self._disk(checkpoint)
         try:
-            usage = shutil.disk_usage(self.dir)
-        except OSError:
+            usage = shutil.disk_usage(local)
+        except (OSError, TypeError):
             return False
         return usage.free < min(64 * 2**20, usage.total // 100)
 
-    def disk_problem(self, exc: BaseException) -> str:
-        """One line for a write that failed (full or read-only disk): which disk, and what is safe."""
+    def disk_problem(self, exc: BaseException, *, checkpoint: bool = False) -> str:
+        """One line for a write that failed (full or read-only disk): which disk (the checkpoint store's, with
+        `checkpoint`), its free space, and what is safe."""
+        what, local = self._disk(checkpoint)
         try:
-            usage = shutil.disk_usage(self.dir)
+            usage = shutil.disk_usage(local)
             space = f"{usage.free / 2**20:.0f} MB free of {usage.total / 2**20:.0f} MB"
-        except OSError:
-            space = "free space unknown"
-        last = self.latest_checkpoint()
-        keep = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
-        return (f"writing to {self.dir} failed ({' '.join(str(exc).split())}; disk: {space}); {keep}; free space "
+        except (OSError, TypeError):
+            space = "free space unknown (an object store)" if local is None else "free space unknown"
+        try:
+            last = self.latest_checkpoint()
+            keep = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+        except (OSError, StorageError):
+            keep = "the checkpoints cannot be listed now"
+        return (f"writing to {what} failed ({' '.join(str(exc).split())}; disk: {space}); {keep}; free space "
                 f"or make the disk writable, then: marsi resume {self.dir}")
 
     def steps_done(self) -> int | None:

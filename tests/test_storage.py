@@ -21,6 +21,7 @@ from tests.errors_doc import assert_documented, assert_quoted
 from tests.runs import rows, without_times, uninterrupted_rows
 
 STEPS = 4
+ON_DISK = storage.on_disk  # what the object_store fixture replaces
 
 
 def raw_config(**train):
@@ -192,7 +193,7 @@ def test_a_run_that_fails_to_start_leaves_nothing_in_storage(tmp_path):
     raw["agents"]["a"]["generation"]["max_completion_length"] = 8
     with pytest.raises(Exception, match="exceed the model's context"):
         Coordinator(validate_config(raw), tmp_path / "run").start()
-    assert not (tmp_path / "run").exists() and list((tmp_path / "store").iterdir()) == []
+    assert not (tmp_path / "run").exists() and not (tmp_path / "store").exists()  # nor the store it made
 
 
 @pytest.mark.parametrize("root", ["path", "file"])
@@ -323,3 +324,18 @@ def test_an_unreachable_store_fails_within_the_deadline_in_one_line(tmp_path, mo
         release.set()
     assert_documented("storage_no_answer", info.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_full_store_is_named_with_its_free_space(tmp_path, node_tmp, monkeypatch):
+    """The message of a checkpoint that could not be written names the store's disk, not the run directory's."""
+    import errno
+
+    monkeypatch.setattr(storage, "on_disk", ON_DISK)  # a file:// store: the coordinator measures its disk
+
+    store = f"file://{tmp_path}/store"
+    with Coordinator(validate_config(raw_config(steps=1, storage=store)), tmp_path / "run") as coord:
+        coord.run()
+        full = OSError(errno.ENOSPC, "No space left on device")
+        assert coord.log.disk_full(full, checkpoint=True)
+        problem = coord.log.disk_problem(full, checkpoint=True)
+    assert_documented("storage_full", f"marsi: error: {problem}", RUN=tmp_path / "run", STORE=store)
