@@ -24,13 +24,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from agent_trainer import reaper
 from agent_trainer.agent import Agent
 from agent_trainer.dispatch import WorkersDisagree, dispatch_of
-from agent_trainer.handle import TrainerFailure, TrainerPool, TrainerStartError
+from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool, TrainerStartError
 from protocols.config import RayConfig, RunConfig, host_layout
 from protocols.errors import UserError, describe, one_line
-
-
-class PlacementError(UserError, RuntimeError):
-    """The cluster cannot hold the trainers; the message lists what was asked and what is free."""
 
 
 # Ray logs this on every start of a local cluster (and on joining one when a token file exists): a notice that
@@ -175,6 +171,64 @@ class _TrainerActor:
                 for name, t in self.host.trainers.items()}
 
 
+def bundle_of(r) -> dict[str, float]:
+    """The placement bundle of one worker with resources `r` (a `ResourcesConfig`)."""
+    bundle = {"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {}), **r.custom}
+    if r.accelerator_type:
+        bundle[f"accelerator_type:{r.accelerator_type}"] = 0.001  # Ray's marker resource of a node's GPU type
+    return bundle
+
+
+def actor_extras(r, runtime_env: dict[str, Any] | None) -> dict[str, Any]:
+    """Ray actor options of one worker besides CPUs, GPUs and its bundle: custom resources, GPU type, environment."""
+    extras: dict[str, Any] = {}
+    if r.custom:
+        extras["resources"] = dict(r.custom)
+    if r.accelerator_type:
+        extras["accelerator_type"] = r.accelerator_type
+    if runtime_env:
+        extras["runtime_env"] = runtime_env
+    return extras
+
+
+def trainer_env(config: RayConfig, environ: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """The runtime_env of every trainer: `ray.env_vars`, and the `ray.forward_env` variables as this process has
+    them (a name it lacks is a PlacementError naming it)."""
+    environ = os.environ if environ is None else environ
+    missing = [name for name in config.forward_env if name not in environ]
+    if missing:
+        raise PlacementError(f"ray.forward_env: {', '.join(missing)} not set in this process's environment; set "
+                             "them in the shell that runs marsi, or remove them from ray.forward_env")
+    env = {**config.env_vars, **{name: environ[name] for name in config.forward_env}}
+    return {"env_vars": env} if env else None
+
+
+def missing_resources(resources: dict[str, Any], layout: dict[str, list[str]], total: dict[str, float]) -> str | None:
+    """Why no node of the cluster (`total`: its resources) can ever hold a host's custom resource or GPU type, or None."""
+    for host, r in resources.items():
+        for key in bundle_of(r):
+            if key not in ("CPU", "GPU") and key not in total:
+                what = (f"agents.{layout[host][0]}.resources.accelerator_type {key.split(':', 1)[1]!r}"
+                        if key.startswith("accelerator_type:") else f"agents.{layout[host][0]}.resources.custom {key!r}")
+                have = sorted(k for k in total if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                              and not k.startswith("node:"))
+                return (f"{what}: no node of the Ray cluster has it (custom resources and GPU types here: "
+                        f"{', '.join(have) or 'none'}); start a node with it (ray start --resources=...) or change the setting")
+    return None
+
+
+def nodes_note(strategy: str, bundles: int) -> str:
+    """What the cluster's nodes say about a placement that did not happen: nodes lost since they joined, and how
+    many nodes a STRICT_SPREAD placement needs (free capacity in all can cover a request no node can)."""
+    nodes = ray.nodes()
+    alive = [n for n in nodes if n.get("Alive")]
+    lost = [node_label(n["NodeID"]) for n in nodes if not n.get("Alive")]
+    note = f"; {strategy} needs {bundles} nodes, the cluster has {len(alive)} alive" if strategy == "STRICT_SPREAD" else ""
+    if lost:
+        note += f"; lost from the cluster: {', '.join(lost)}"
+    return note
+
+
 def node_label(node_id: str) -> str:
     """`node NAME (IP, id 0123abcd...)`: how messages name a Ray node (its name is its IP unless set with
     `ray start --node-name`)."""
@@ -201,8 +255,11 @@ class RayTrainers(TrainerPool):
         self.agents = list(config.agents)
         self.call_timeout, self.checkpoint_timeout = config.train.call_timeout_s, config.train.checkpoint_timeout_s
         resources = {host: config.agents[agents[0]].resources for host, agents in layout.items()}  # a host's agents share it
-        bundles = [{"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {})}
-                   for r in resources.values() for _ in range(r.num_workers)]
+        problem = missing_resources(resources, layout, total)
+        if problem:
+            raise PlacementError(problem)
+        runtime_env = trainer_env(config.ray)
+        bundles = [bundle_of(r) for r in resources.values() for _ in range(r.num_workers)]
         names = [host for host, r in resources.items() for _ in range(r.num_workers)]  # per bundle
         self.pg = placement_group(bundles, strategy=config.ray.placement_strategy)
         try:
@@ -212,8 +269,9 @@ class RayTrainers(TrainerPool):
             asked = ", ".join(f"{n}: {b}" for n, b in zip(names, bundles))
             free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")}
             raise PlacementError(
-                f"trainers could not be placed within {config.ray.placement_timeout_s:.0f}s; asked for {asked}; "
-                f"cluster has free {free}; lower agents.<name>.resources or add nodes"
+                f"trainers could not be placed within {config.ray.placement_timeout_s:.0f}s; asked for {asked}"
+                f"{nodes_note(config.ray.placement_strategy, len(bundles))}; cluster has free {free} in all; lower "
+                "agents.<name>.resources or add nodes"
             ) from None
         actor_cls = ray.remote(_TrainerActor)
         self.layout, self.workers = layout, {}
@@ -222,7 +280,7 @@ class RayTrainers(TrainerPool):
             group = []
             for _ in range(r.num_workers):  # each worker in a bundle of its own
                 group.append(actor_cls.options(
-                    num_cpus=r.num_cpus, num_gpus=r.num_gpus,
+                    num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                                          placement_group_bundle_index=bundle),
                 ).remote(host, config, updates, num_threads(r.num_cpus)))

@@ -30,13 +30,17 @@ class TrainerStartError(UserError, RuntimeError):
     """A trainer could not start (its model did not load, ...); the message names the agent and the fix."""
 
 
+class PlacementError(UserError, RuntimeError):
+    """The cluster cannot hold the trainers; the message lists what was asked and what is free."""
+
+
 class TrainerFailure(RuntimeError):
     """A trainer call failed. `recoverable`: the process died or hung, so a restart from a checkpoint
     may help; otherwise the trainer raised, which a restart would only repeat."""
 
     def __init__(self, agent: str, method: str, reason: str, recoverable: bool):
         super().__init__(f"agent {agent!r}: {method} failed: {reason}")
-        self.agent, self.method, self.recoverable = agent, method, recoverable
+        self.agent, self.method, self.reason, self.recoverable = agent, method, reason, recoverable
 
 
 class AgentHandle(Protocol):

@@ -411,11 +411,17 @@ def load(trainer: Any, *, source: Location, files: dict[str, str] | None = None)
 
 def probe(*, where: Location, token: str, agent: str) -> bool:
     """Whether this node sees the probe file the coordinator wrote at `where`; if so, write this agent's
-    answer beside it (so that writing is checked too). Nothing is written where the probe is not seen."""
+    answer beside it (so that writing is checked too). Nothing is written where the probe is not seen. A store
+    this node cannot reach at all (no route, no credentials, a call past its deadline) raises StorageError with
+    the reason."""
     try:
         seen = read_bytes(where / f"{PROBE_PREFIX}{token}") == token.encode()
-    except OSError:
-        return False
+    except FileNotFoundError:
+        return False  # reached, but not the same storage (a path this node has on its own disk)
+    except StorageError:
+        raise
+    except OSError as exc:
+        raise StorageError(" ".join(str(exc).split()) or type(exc).__name__) from None
     if seen:
         write_bytes(where / f"{PROBE_PREFIX}{token}-{agent}", token.encode())
     return seen

@@ -20,7 +20,7 @@ from typing import Any
 
 from agent_trainer import storage
 from agent_trainer.agent import Agent
-from agent_trainer.handle import TrainerFailure, TrainerPool
+from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool
 from agent_trainer.precision import emulation_warning
 from agent_trainer.storage import StorageError
 from orchestrator import rollout, runstore
@@ -181,6 +181,16 @@ class Coordinator:
             seen = self.pool.each(Agent.probe, {a: ProbeRequest(where=where, token=token, agent=a) for a in agents},
                                   timeout=self.config.train.checkpoint_timeout_s)
             blind = [a for a in agents if not (seen[a] and self.log.probe_answered(token, a))]
+        except TrainerFailure as failure:
+            if failure.recoverable:
+                raise
+            node = self.pool.info()[failure.agent].get("node_label", "its node")
+            store = f"train.storage {self.log.storage}" if self.log.storage else f"the run directory {self.log.dir}"
+            raise StorageError(
+                f"{store}: this coordinator reached it (it wrote {where}), but {node}, which hosts agent "
+                f"{failure.agent!r}, did not ({failure.reason.removeprefix('StorageError: ')}); give that node the "
+                "store's network and credentials (ray.forward_env passes variables such as AWS_ACCESS_KEY_ID from this "
+                "shell to every trainer), or use a store every node reaches") from None
         finally:
             self.log.remove_probes(token, agents)
         if blind:
@@ -394,7 +404,12 @@ class Coordinator:
                 f"(restart {self.restarts} of {limit})")
             try:
                 self.pool.close()
-                self.pool = self._start_trainers()
+                try:
+                    self.pool = self._start_trainers()
+                except PlacementError as exc:  # the cluster cannot hold the trainers now (a node lost, ...)
+                    hint = f"; once it can, continue with: marsi resume {self.log.dir}" if last is not None else ""
+                    raise RunFailed(f"{failure}; the trainers could not be restarted: {exc}; last good checkpoint: "
+                                    f"{last}{hint}") from exc
                 self._check_storage_reach()  # restarted trainers may sit on other nodes
                 if last is not None:
                     self.restore()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from protocols.errors import UserError
 from protocols.imports import ImportPathError, absolute_spec, import_object
@@ -80,6 +80,23 @@ class ResourcesConfig(_Strict):
     """Data-parallel workers of this agent: K processes joined into one torch.distributed group (gloo on CPU,
     NCCL on GPU), each with a full copy of the model; generate requests are split across them and each update
     trains every worker on its share of the batch with the whole batch's gradient. Needs Ray (ray.enabled)."""
+    custom: dict[str, float] = {}
+    """Custom Ray resources for each worker, e.g. {big_node: 1} to pin the agent to nodes started with
+    `ray start --resources='{"big_node": 1}'`; part of the worker's placement bundle and actor options."""
+    accelerator_type: str | None = None
+    """The GPU type each worker needs (Ray's accelerator types, e.g. A100, H100, L4): only nodes that report it
+    host the agent. None: any."""
+
+    @field_validator("custom")
+    @classmethod
+    def _custom(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, amount in value.items():
+            if key in ("CPU", "GPU", "memory", "object_store_memory") or key.startswith("accelerator_type:"):
+                raise ValueError(f"custom: {key!r} is not a custom resource; use num_cpus, num_gpus or "
+                                 "accelerator_type for it")
+            if amount <= 0:
+                raise ValueError(f"custom: {key}: {amount:g}; give an amount > 0")
+        return value
 
 
 class VLLMConfig(_Strict):
@@ -435,6 +452,14 @@ class RayConfig(_Strict):
     """GPUs of a local cluster; None: Ray's default."""
     placement_timeout_s: float = Field(60.0, gt=0.0)
     """Seconds to wait for the trainers' placement group."""
+    env_vars: dict[str, str] = {}
+    """Environment variables set in every trainer process (Ray's `runtime_env`), e.g. {AWS_REGION: eu-west-1}.
+    They are written to config.yaml and the store like every setting: give secrets with `forward_env` instead."""
+    forward_env: list[str] = []
+    """Names of environment variables copied from the coordinator's environment into every trainer process when
+    the trainers start, e.g. [AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN]: storage credentials
+    that only the shell that runs marsi has. Their values are written nowhere; a name not set there is an error
+    at start."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How the trainers' placement group spreads them over a cluster's nodes (Ray's strategies): `PACK` as few
     nodes as possible; `SPREAD` over nodes where it can; `STRICT_PACK` one node; `STRICT_SPREAD` each trainer on

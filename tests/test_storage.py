@@ -339,3 +339,24 @@ def test_a_full_store_is_named_with_its_free_space(tmp_path, node_tmp, monkeypat
         assert coord.log.disk_full(full, checkpoint=True)
         problem = coord.log.disk_problem(full, checkpoint=True)
     assert_documented("storage_full", f"marsi: error: {problem}", RUN=tmp_path / "run", STORE=store)
+
+
+def test_a_node_that_cannot_reach_the_store_is_named_and_the_coordinator_side_said(tmp_path, monkeypatch):
+    """The start-up probe on a trainer's node fails to reach the store (no route, no credentials there) while the
+    coordinator wrote its probe file: one line names the node and says which side reached the store."""
+    store = f"file://{tmp_path}/store"
+    coord = Coordinator(validate_config(raw_config(steps=1, storage=store)), tmp_path / "run")
+    with coord:
+        read = storage.read_bytes
+
+        def unreachable(loc):
+            if loc.name.startswith(storage.PROBE_PREFIX):
+                raise OSError("When reading information for key 'x' in bucket 'b': AWS Error NETWORK_CONNECTION: "
+                              "Could not resolve host")
+            return read(loc)
+
+        monkeypatch.setattr(storage, "read_bytes", unreachable)
+        monkeypatch.setattr(coord.config.ray, "enabled", True)  # the probe runs for trainers that may be elsewhere
+        with pytest.raises(storage.StorageError) as info:
+            coord._check_storage_reach()
+    assert_documented("storage_unreached_from_node", info.value, STORE=store, NODE="its node", AGENT="a")
