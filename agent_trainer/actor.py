@@ -25,7 +25,7 @@ from agent_trainer import reaper
 from agent_trainer.agent import Agent
 from agent_trainer.dispatch import WorkersDisagree, dispatch_of
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool, TrainerStartError
-from protocols.config import RayConfig, RunConfig, host_layout
+from protocols.config import RayConfig, RunConfig, host_layout, label_matches
 from protocols.errors import UserError, describe, one_line
 
 
@@ -203,13 +203,48 @@ def trainer_env(config: RayConfig, environ: dict[str, str] | None = None) -> dic
     return {"env_vars": env} if env else None
 
 
+def placement_plan(resources: dict[str, Any], strategy: str) -> list[tuple[str, list[str]]]:
+    """The trainers' placement groups, each (its strategy, the hosts whose workers it holds): one group of every
+    host, placed by `strategy` (ray.placement_strategy), unless a host sets its own resources.placement_strategy;
+    then one group per host, placed by its own strategy or `strategy`."""
+    if not any(r.placement_strategy for r in resources.values()):
+        return [(strategy, list(resources))]
+    return [(r.placement_strategy or strategy, [host]) for host, r in resources.items()]
+
+
+def group_request(resources: dict[str, Any], hosts: list[str]) -> dict[str, Any]:
+    """`placement_group` keyword arguments of one group of `hosts`' workers: a bundle per worker, and the node
+    label selector of each bundle where any host has one."""
+    bundles = [bundle_of(resources[h]) for h in hosts for _ in range(resources[h].num_workers)]
+    selectors = [dict(resources[h].label_selector) for h in hosts for _ in range(resources[h].num_workers)]
+    return {"bundles": bundles, **({"bundle_label_selector": selectors} if any(selectors) else {})}
+
+
+def setting(host: str, layout: dict[str, list[str]]) -> str:
+    """Where a host's resources are set: `agents.NAME.resources` (an agent's own host) or `hosts.NAME.resources`."""
+    return f"agents.{host}.resources" if layout[host] == [host] else f"hosts.{host}.resources"
+
+
+def unmatched_labels(resources: dict[str, Any], layout: dict[str, list[str]], nodes: list[dict[str, Any]]) -> str | None:
+    """Why no live node of the cluster (`nodes`: ray.nodes()) matches a host's label selector, or None."""
+    alive = [n for n in nodes if n.get("Alive")]
+    for host, r in resources.items():
+        if r.label_selector and not any(label_matches(n.get("Labels") or {}, r.label_selector) for n in alive):
+            labels = sorted({f"{k}={v}" for n in alive for k, v in (n.get("Labels") or {}).items() if k != "ray.io/node-id"})
+            agents = ("agent " if len(layout[host]) == 1 else "agents ") + ", ".join(repr(a) for a in layout[host])
+            return (f"{setting(host, layout)}.label_selector {r.label_selector}: no live node of the Ray cluster has "
+                    f"these labels, so {agents} cannot be placed (node labels here: {', '.join(labels) or 'none'}); "
+                    "start a node with them (ray start --labels=KEY=VALUE) or change the selector")
+    return None
+
+
 def missing_resources(resources: dict[str, Any], layout: dict[str, list[str]], total: dict[str, float]) -> str | None:
     """Why no node of the cluster (`total`: its resources) can ever hold a host's custom resource or GPU type, or None."""
     for host, r in resources.items():
         for key in bundle_of(r):
             if key not in ("CPU", "GPU") and key not in total:
-                what = (f"agents.{layout[host][0]}.resources.accelerator_type {key.split(':', 1)[1]!r}"
-                        if key.startswith("accelerator_type:") else f"agents.{layout[host][0]}.resources.custom {key!r}")
+                what = (f"{setting(host, layout)}.accelerator_type {key.split(':', 1)[1]!r}"
+                        if key.startswith("accelerator_type:") else f"{setting(host, layout)}.custom {key!r}")
                 have = sorted(k for k in total if k not in ("CPU", "GPU", "memory", "object_store_memory")
                               and not k.startswith("node:"))
                 return (f"{what}: no node of the Ray cluster has it (custom resources and GPU types here: "
@@ -217,13 +252,28 @@ def missing_resources(resources: dict[str, Any], layout: dict[str, list[str]], t
     return None
 
 
-def nodes_note(strategy: str, bundles: int) -> str:
+def cluster_problem(config: RunConfig) -> str | None:
+    """Why the Ray cluster this process is connected to can never place the trainers (too few CPUs or GPUs in
+    all, a custom resource or GPU type no node has, a label selector no live node matches), or None."""
+    from agent_trainer.group import placement_problem
+
+    total = ray.cluster_resources()
+    problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), "the Ray cluster")
+    if problem:
+        return problem
+    layout = host_layout(config)
+    resources = {host: config.agents[agents[0]].resources for host, agents in layout.items()}
+    return missing_resources(resources, layout, total) or unmatched_labels(resources, layout, ray.nodes())
+
+
+def nodes_note(spread: int | None) -> str:
     """What the cluster's nodes say about a placement that did not happen: nodes lost since they joined, and how
-    many nodes a STRICT_SPREAD placement needs (free capacity in all can cover a request no node can)."""
+    many nodes a STRICT_SPREAD group of `spread` workers needs (free capacity in all can cover a request no node
+    can); None: no STRICT_SPREAD group."""
     nodes = ray.nodes()
     alive = [n for n in nodes if n.get("Alive")]
     lost = [node_label(n["NodeID"]) for n in nodes if not n.get("Alive")]
-    note = f"; {strategy} needs {bundles} nodes, the cluster has {len(alive)} alive" if strategy == "STRICT_SPREAD" else ""
+    note = f"; STRICT_SPREAD needs {spread} nodes, the cluster has {len(alive)} alive" if spread else ""
     if lost:
         note += f"; lost from the cluster: {', '.join(lost)}"
     return note
@@ -245,47 +295,46 @@ class RayTrainers(TrainerPool):
     Agents of one host are served by one actor, one call at a time; its death is a failure of each of them."""
 
     def __init__(self, config: RunConfig, updates: dict[str, int]):
-        from agent_trainer.group import num_threads, placement_problem
+        from agent_trainer.group import num_threads
 
-        total = ray.cluster_resources()
-        problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), "the Ray cluster")
-        if problem:  # cannot fit at all: say so now rather than after placement_timeout_s
+        problem = cluster_problem(config)
+        if problem:  # cannot be placed at all: say so now rather than after placement_timeout_s
             raise PlacementError(problem)
         layout = host_layout(config)
         self.agents = list(config.agents)
         self.call_timeout, self.checkpoint_timeout = config.train.call_timeout_s, config.train.checkpoint_timeout_s
         resources = {host: config.agents[agents[0]].resources for host, agents in layout.items()}  # a host's agents share it
-        problem = missing_resources(resources, layout, total)
-        if problem:
-            raise PlacementError(problem)
         runtime_env = trainer_env(config.ray)
-        bundles = [bundle_of(r) for r in resources.values() for _ in range(r.num_workers)]
-        names = [host for host, r in resources.items() for _ in range(r.num_workers)]  # per bundle
-        self.pg = placement_group(bundles, strategy=config.ray.placement_strategy)
+        plan = placement_plan(resources, config.ray.placement_strategy)
+        requests = [group_request(resources, hosts) for _, hosts in plan]
+        self.groups = [placement_group(strategy=strategy, **request) for (strategy, _), request in zip(plan, requests)]
         try:
-            ray.get(self.pg.ready(), timeout=config.ray.placement_timeout_s)
+            ray.get([group.ready() for group in self.groups], timeout=config.ray.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.pg)
-            asked = ", ".join(f"{n}: {b}" for n, b in zip(names, bundles))
+            self._remove_groups()
+            asked = ", ".join(f"{host}: {bundle_of(resources[host])}" for _, hosts in plan for host in hosts
+                              for _ in range(resources[host].num_workers))
+            spread = [len(r["bundles"]) for (strategy, _), r in zip(plan, requests) if strategy == "STRICT_SPREAD"]
             free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")}
             raise PlacementError(
                 f"trainers could not be placed within {config.ray.placement_timeout_s:.0f}s; asked for {asked}"
-                f"{nodes_note(config.ray.placement_strategy, len(bundles))}; cluster has free {free} in all; lower "
+                f"{nodes_note(max(spread, default=None))}; cluster has free {free} in all; lower "
                 "agents.<name>.resources or add nodes"
             ) from None
         actor_cls = ray.remote(_TrainerActor)
         self.layout, self.workers = layout, {}
-        bundle = 0
-        for host, r in resources.items():
-            group = []
-            for _ in range(r.num_workers):  # each worker in a bundle of its own
-                group.append(actor_cls.options(
-                    num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                                         placement_group_bundle_index=bundle),
-                ).remote(host, config, updates, num_threads(r.num_cpus)))
-                bundle += 1
-            self.workers.update(dict.fromkeys(layout[host], group))
+        for group_of_hosts, (_, hosts) in zip(self.groups, plan):
+            bundle = 0
+            for host in hosts:
+                r, workers = resources[host], []
+                for _ in range(r.num_workers):  # each worker in a bundle of its own
+                    workers.append(actor_cls.options(
+                        num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group_of_hosts,
+                                                                             placement_group_bundle_index=bundle),
+                    ).remote(host, config, updates, num_threads(r.num_cpus)))
+                    bundle += 1
+                self.workers.update(dict.fromkeys(layout[host], workers))
         self.housemates = {agent: agents for agents in layout.values() for agent in agents}
         try:  # waits until every trainer is up, then joins each agent's workers into one group
             info = self.start_info = self.info(timeout=config.train.start_timeout_s)
@@ -421,7 +470,12 @@ class RayTrainers(TrainerPool):
         for actor in {id(a): a for group in self.workers.values() for a in group}.values():
             ray.kill(actor)
         self.workers.clear()
-        remove_placement_group(self.pg)
+        self._remove_groups()
+
+    def _remove_groups(self) -> None:
+        for group in self.groups:
+            remove_placement_group(group)
+        self.groups = []
 
 
 _PEER_GRACE_S = 5.0

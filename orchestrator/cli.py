@@ -212,10 +212,32 @@ def _train(coord, stop: StopOnSignal, new: bool) -> int:
     return 0
 
 
+def _check_cluster(config, address: str) -> None:
+    """Join the Ray cluster at `address` (or use the one this process is connected to) and check that it can place
+    the trainers: CPUs and GPUs in all, custom resources, GPU types, node labels (PlacementError naming the agent)."""
+    import ray
+
+    from agent_trainer.actor import cluster_problem, quiet_ray_startup
+    from agent_trainer.handle import PlacementError
+
+    joined = not ray.is_initialized()
+    if joined:
+        quiet_ray_startup()
+        ray.init(address=address, logging_level="WARNING")
+    try:
+        problem = cluster_problem(config)
+    finally:
+        if joined:
+            ray.shutdown()
+    if problem:
+        raise PlacementError(problem)
+
+
 def cmd_validate(args) -> int:
-    """Everything that can be checked without Ray or the weights: config, environment roles and seats,
-    each model's context, resources, each agent's dtype as this machine would resolve it; then the schedule
-    and who acts on each turn for the first steps."""
+    """Everything that can be checked without the weights: config, environment roles and seats, each model's
+    context, resources (against the Ray cluster marsi would join, where there is one: custom resources, GPU types,
+    node labels), each agent's dtype as this machine would resolve it; then the schedule and who acts on each
+    turn for the first steps."""
     from agent_trainer.group import local_resources, placement_problem
     from agent_trainer.models import context_problem, model_config
     from orchestrator.coordinator import Coordinator
@@ -236,6 +258,8 @@ def cmd_validate(args) -> int:
         problem = placement_problem(config, cpus, gpus, "the local cluster")
         if problem:
             raise ConfigError(f"{args.config}: {problem}")
+    if config.ray.enabled and joins:
+        _check_cluster(config, joins)
     schedule, assignment = Schedule(config.schedule, list(config.agents)), RoleAssignment(config.roles)
     per_step = config.train.batch_size * config.train.num_generations
     acting = _acting_roles(coordinator, env)
@@ -243,7 +267,7 @@ def cmd_validate(args) -> int:
           f"{per_step} episodes per step, at most {env.max_turns} turns each")
     layout = host_layout(config)
     asked = [config.agents[names[0]].resources for names in layout.values()]
-    where = f"joins {joins}; checked when the run starts" if joins else (
+    where = f"the Ray cluster at {joins} can place them" if joins else (
         "in-process (ray.enabled false)" if not config.ray.enabled else
         "local cluster: {:g} CPUs, {:g} GPUs".format(*local_resources(config)))
     print(f"resources: trainers ask for {sum(r.num_cpus * r.num_workers for r in asked):g} CPUs, "

@@ -86,6 +86,16 @@ class ResourcesConfig(_Strict):
     accelerator_type: str | None = None
     """The GPU type each worker needs (Ray's accelerator types, e.g. A100, H100, L4): only nodes that report it
     host the agent. None: any."""
+    label_selector: dict[str, str] = {}
+    """Node labels each worker's node must have (Ray's label selector): {zone: us-east-1a} for nodes started with
+    `ray start --labels=zone=us-east-1a`; a value may be `v`, `!v` (not v), `in(v1,v2)` or `!in(v1,v2)`; Ray's
+    own labels work too (`ray.io/node-id`, `ray.io/accelerator-type`). Part of the worker's placement bundle; a
+    selector no live node matches is refused at start. Empty: any node."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
+    """How this agent's (or host's) workers spread over nodes, Ray's strategies as in `ray.placement_strategy`:
+    `STRICT_PACK` keeps a data-parallel agent's workers on one node, `STRICT_SPREAD` puts each on a node of its
+    own. Set on any agent, each agent's workers form a placement group of their own, placed by this strategy or,
+    where it is None, by `ray.placement_strategy`; None on every agent: one group holds all trainers."""
 
     @field_validator("custom")
     @classmethod
@@ -97,6 +107,43 @@ class ResourcesConfig(_Strict):
             if amount <= 0:
                 raise ValueError(f"custom: {key}: {amount:g}; give an amount > 0")
         return value
+
+    @field_validator("label_selector")
+    @classmethod
+    def _label_selector(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, wanted in value.items():
+            problem = label_selector_problem(key, wanted)
+            if problem:
+                raise ValueError(problem)
+        return value
+
+
+_LABEL = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"
+"""A node label's name or value (Kubernetes' syntax, which Ray follows)."""
+
+
+def label_selector_problem(key: str, wanted: str) -> str | None:
+    """Why `key: wanted` is not a Ray label selector entry, or None."""
+    import re
+
+    prefix, _, name = key.rpartition("/")
+    if (prefix and not re.fullmatch(rf"{_LABEL}(\.{_LABEL})*", prefix)) or not re.fullmatch(_LABEL, name):
+        return (f"{key!r} is not a node label name (letters, digits, '-', '_', '.', at most 63, optionally after a "
+                "DNS prefix and '/')")
+    if not re.fullmatch(rf"!?{_LABEL}|!?in\({_LABEL}(, ?{_LABEL})*\)", wanted):
+        return f"{key}: {wanted!r}; give a label value v, !v, in(v1,v2) or !in(v1,v2)"
+    return None
+
+
+def label_matches(labels: dict[str, str], selector: dict[str, str]) -> bool:
+    """Whether a node with `labels` satisfies `selector` (Ray's rules: `!` matches a node without the label)."""
+    for key, wanted in selector.items():
+        negated = wanted.startswith("!")
+        wanted = wanted.removeprefix("!")
+        values = {v.strip() for v in wanted[3:-1].split(",")} if wanted.startswith("in(") else {wanted}
+        if (labels.get(key) in values) == negated:
+            return False
+    return True
 
 
 class VLLMConfig(_Strict):
@@ -534,6 +581,12 @@ class RunConfig(_Strict):
         problem = hosts_problem(self)
         if problem:
             raise ValueError(problem)
+        own = [f"{section}.{name}" for section, specs in (("agents", self.agents), ("hosts", self.hosts))
+               for name, spec in specs.items() if spec.resources.placement_strategy is not None]
+        if own and self.ray.placement_strategy.startswith("STRICT_"):
+            raise ValueError(f"ray.placement_strategy: {self.ray.placement_strategy} holds all trainers as one group, but "
+                             f"{own[0]}.resources.placement_strategy places that agent's workers as a group of their own; "
+                             f"set ray.placement_strategy to PACK or SPREAD, or remove {own[0]}.resources.placement_strategy")
         for name, agent in self.agents.items():
             if agent.host is not None:  # a hosted agent runs on its host's resources
                 agent.resources = self.hosts[agent.host].resources
