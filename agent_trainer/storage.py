@@ -292,6 +292,36 @@ def upload_file(path: Path, target: Location, *, make_parent: bool = True) -> tu
     return digest.hexdigest(), size
 
 
+def upload_part(path: Path, offset: int, size: int, target: Location) -> None:
+    """Stream bytes [offset, offset + size) of the file at `path` to `target`."""
+    _make_parent(target)
+    with open(path, "rb") as src, _fs(target)[0].open_output_stream(_fs(target)[1]) as out:
+        src.seek(offset)
+        while size > 0 and (chunk := src.read(min(CHUNK, size))):
+            out.write(chunk)
+            size -= len(chunk)
+
+
+def hash_part(f, size: int) -> tuple[str, int]:
+    """(sha256, bytes read) of the next `size` bytes (at most) of the open file `f`, read a chunk at a time."""
+    digest, done = hashlib.sha256(), 0
+    while done < size and (chunk := f.read(min(CHUNK, size - done))):
+        digest.update(chunk)
+        done += len(chunk)
+    return digest.hexdigest(), done
+
+
+def append_to(src: Location, out) -> tuple[str, int]:
+    """Stream the file at `src` onto the open file `out`, hashing as it goes: (sha256, size)."""
+    digest, size = hashlib.sha256(), 0
+    with _fs(src)[0].open_input_stream(_fs(src)[1]) as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            out.write(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
 def download(src: Location, files: dict[str, str | None], local: Path) -> str | None:
     """Stream the `files` (relative name -> sha256, None: unchecked) under `src` into `local`, hashing as it
     goes; why the copy cannot be trusted (a missing file, or one that does not match its checksum), or None."""

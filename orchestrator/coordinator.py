@@ -342,10 +342,12 @@ class Coordinator:
             stored = self.pool.each(Agent.save, requests, timeout=self.config.train.checkpoint_timeout_s)
             files = {f"agents/{a}/{name}": (digest, report.sizes[name])
                      for a, report in stored.items() for name, digest in report.files.items()}
+            state = asdict(self.state)
             if self.log.storage is not None:  # the store alone holds the run: its records go with each checkpoint
                 files.update(runstore.mirror(self.log, staging))
-            return self.log.commit_checkpoint(staging, self.state.step, asdict(self.state), self.config.train.keep_checkpoints,
-                                              files=files)
+                state["records"] = runstore.append_records(self.log)  # the transcripts: what was appended
+            committed = self.log.commit_checkpoint(staging, self.state.step, state, self.config.train.keep_checkpoints,
+                                                   files=files)
         except BaseException as exc:
             full = self.log.disk_full(exc, checkpoint=True)
             problem = self.log.disk_problem(exc, checkpoint=True) if full else None  # measured before the cleanup frees space
@@ -353,6 +355,10 @@ class Coordinator:
             if full:
                 raise RunDirError(problem) from exc
             raise
+        if self.log.storage is not None:
+            with contextlib.suppress(OSError, StorageError):  # what is left now goes at the next commit
+                runstore.prune_records(self.log)
+        return committed
 
     def _load_trainers(self, checkpoint: Location) -> str | None:
         """Every trainer loads its files of `checkpoint`, each checked against the manifest on its node first;

@@ -54,6 +54,7 @@ _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 TRANSCRIPTS = "transcripts.jsonl"
 EVAL_TRANSCRIPTS = "eval_transcripts.jsonl"
 STORE_RECORD = "store.json"  # with train.storage: the run's place in the store (STORAGE/RUN_NAME)
+SEGMENTS = "records"  # with train.storage: STORAGE/RUN_NAME/records/NAME/SHA256, the transcripts' segments
 _STATE_KEYS = ("step", "episodes", "data", "baselines", "manifest")
 
 
@@ -499,6 +500,14 @@ def checkpoint_problem(path: Location) -> str | None:
         recorded = state.get("sizes", {}).get(name)
         if recorded is not None and present[name] != recorded:
             return f"{name} does not match its checksum (it is {present[name]} bytes, not {recorded})"
+    for name, segments in state.get("records", {}).items():  # the transcripts' segments, beside the checkpoints
+        try:
+            stored = storage.file_sizes(path.parent.parent / SEGMENTS / name)
+        except OSError as exc:
+            return f"its records cannot be listed ({' '.join(str(exc).split())})"
+        for digest, size in segments:
+            if stored.get(digest) != size:
+                return f"{SEGMENTS}/{name}/{digest} is {'missing' if digest not in stored else 'cut short'}"
     return None
 
 

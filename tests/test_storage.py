@@ -219,7 +219,8 @@ def test_the_store_alone_resumes_a_run_history_included(tmp_path, node_tmp, refe
     with Coordinator(validate_config(raw_config(steps=2, storage=store)), run_dir) as coord:
         coord.run()
     manifest = read_checkpoint_state(RunLog(run_dir).latest_checkpoint())["manifest"]
-    assert {"run/config.yaml", "run/metrics.jsonl", "run/transcripts.jsonl", "run/source/envs.py"} <= set(manifest)
+    assert {"run/config.yaml", "run/metrics.jsonl", "run/source/envs.py"} <= set(manifest)
+    assert read_checkpoint_state(RunLog(run_dir).latest_checkpoint())["records"]["transcripts.jsonl"]  # as segments
     shutil.rmtree(run_dir)  # the coordinator's machine is gone
     fetched = tmp_path / "elsewhere" / "renamed"
     with Coordinator.resume(f"{store}/run", ["train.steps=4"], fetch_to=fetched) as coord:
@@ -360,3 +361,33 @@ def test_a_node_that_cannot_reach_the_store_is_named_and_the_coordinator_side_sa
         with pytest.raises(storage.StorageError) as info:
             coord._check_storage_reach()
     assert_documented("storage_unreached_from_node", info.value, STORE=store, NODE="its node", AGENT="a")
+
+
+def test_transcripts_go_up_as_the_bytes_appended_since_the_last_checkpoint(tmp_path, node_tmp):
+    """Each checkpoint lists the transcripts as segments: the previous checkpoint's, then one new segment of what
+    the step appended; the store holds the segments kept checkpoints list, no other; a run fetched from the
+    store has the transcripts byte for byte."""
+    import shutil
+
+    from orchestrator import runstore
+
+    store = tmp_path / "store"
+    run_dir = tmp_path / "run"
+    with Coordinator(validate_config(raw_config(steps=2, storage=f"file://{store}", keep_checkpoints=2)), run_dir) as coord:
+        coord.run()
+        one, two = (read_checkpoint_state(c)["records"]["transcripts.jsonl"] for c in coord.log.checkpoints())
+        segments = store / "run" / "records" / "transcripts.jsonl"
+        (segments / ("0" * 64)).write_bytes(b"left by a checkpoint that failed")
+        coord.checkpoint(step=3)  # as a step would: nothing appended since step 2
+    log = RunLog(run_dir)
+    three = read_checkpoint_state(log.latest_checkpoint())["records"]["transcripts.jsonl"]
+    local = (run_dir / "transcripts.jsonl").read_bytes()
+    assert len(one) == 1 and two[:-1] == one and three == two  # step 2 added one segment; step 3 none
+    assert two[-1][1] == len(local) - one[0][1]  # only the bytes step 2 appended went up
+    assert b"".join((segments / digest).read_bytes() for digest, _ in three) == local
+    assert sorted(p.name for p in segments.iterdir()) == sorted(d for d, _ in two)  # the stray one is gone
+    shutil.rmtree(run_dir)
+    runstore.fetch_run(Location(f"file://{store}/run"), tmp_path / "fetched")
+    assert (tmp_path / "fetched" / "transcripts.jsonl").read_bytes() == local
+    (segments / two[-1][0]).write_bytes(b"other bytes")
+    assert checkpoint_problem(log.checkpoints()[-1]) == f"records/transcripts.jsonl/{two[-1][0]} is cut short"
