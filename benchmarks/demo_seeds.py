@@ -10,8 +10,12 @@ does (a paired 95% interval over the held-out samples). `--setting` asks the que
 together help?" at the same number of steps:
 
 - `both`: the demo as it is, alice and bob each trained (in alternation);
-- `speaker_only`: alice trained every step, bob frozen at his initial weights;
-- `one_agent`: one agent (alice) holds both roles and trains every step.
+- `first_only`: the config's first agent (alice) trained every step, the second frozen at its initial weights;
+- `one_agent`: the first agent holds every role and trains every step.
+
+With `eval.partners` in the config, each partner setting's held-out reward at the final weights is
+compared with the initial evaluation too (`bob_initial`: alice as trained beside bob at his initial
+weights): what each agent's training buys on its own.
 
 Printed per seed: the team reward of the first and last 30 steps, the held-out reward at the initial and
 final weights with the gain's interval, each agent's share of groups whose returns were all equal over the
@@ -43,7 +47,7 @@ from orchestrator.coordinator import Coordinator  # noqa: E402
 from orchestrator.evaluation import compare  # noqa: E402
 from protocols.config import apply_overrides, validate_config  # noqa: E402
 
-SETTINGS = ("both", "speaker_only", "one_agent")
+SETTINGS = ("both", "first_only", "one_agent")
 WINDOW = 30  # steps averaged at each end of a run
 
 
@@ -54,6 +58,7 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--setting", choices=SETTINGS, default="both")
+    parser.add_argument("--keep", metavar="DIR", help="keep each seed's run directory under DIR (else discarded)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value over the config, e.g. train.steps=200")
     args = parser.parse_args()
 
@@ -67,10 +72,10 @@ def main() -> None:
         row = run(args, seed)
         rows.append(row)
         gain = row["gain"]
-        print(f"seed {seed}: train {row['first']:.3f} -> {row['last']:.3f} | held-out {gain['before']:.3f} -> "
-              f"{gain['after']:.3f}, gain {gain['difference']:+.3f} (95% CI {gain['low']:+.3f} .. {gain['high']:+.3f}"
-              f"{'' if gain['distinguishable'] else ', not distinguishable'}) | zero-variance groups, last {WINDOW} steps: "
+        print(f"seed {seed}: train {row['first']:.3f} -> {row['last']:.3f} | held-out {interval(gain)} | zero-variance groups, last {WINDOW} steps: "
               f"{', '.join(f'{a} {v:.2f}' for a, v in row['flat'].items())} | {row['seconds']:.0f} s", flush=True)
+        for label, partner in row["partners"].items():
+            print(f"    {label}: held-out {interval(partner)}", flush=True)
     print(f"after: {bc.load_line()}")
     lasts, gains = [r["last"] for r in rows], [r["gain"]["difference"] for r in rows]
     sure = sum(r["gain"]["distinguishable"] and r["gain"]["difference"] > 0 for r in rows)
@@ -78,34 +83,52 @@ def main() -> None:
           f"{statistics.median(lasts):.3f}, worst {min(lasts):.3f}; held-out gain: median {statistics.median(gains):+.3f}, "
           f"worst {min(gains):+.3f}, interval above 0 on {sure} of {len(rows)} seeds; "
           f"{statistics.median(r['seconds'] for r in rows):.0f} s per seed (median)")
+    for label in rows[0]["partners"]:
+        diffs = [r["partners"][label]["difference"] for r in rows]
+        above = sum(r["partners"][label]["distinguishable"] and r["partners"][label]["difference"] > 0 for r in rows)
+        print(f"  {label}: held-out gain median {statistics.median(diffs):+.3f}, worst {min(diffs):+.3f}, "
+              f"interval above 0 on {above} of {len(rows)} seeds")
+
+
+def interval(gain: dict) -> str:
+    return (f"{gain['before']:.3f} -> {gain['after']:.3f}, gain {gain['difference']:+.3f} "
+            f"(95% CI {gain['low']:+.3f} .. {gain['high']:+.3f}{'' if gain['distinguishable'] else ', not distinguishable'})")
 
 
 def config_for(args, seed: int, run_dir: str):
     raw = yaml.safe_load(Path(args.config).read_text())
     raw = apply_overrides(raw, [*args.overrides, f"train.seed={seed}", "ray.enabled=false", "train.progress=false",
                                 f"train.run_dir={run_dir}"])
-    if args.setting == "speaker_only":
-        raw["schedule"] = {"kind": "simultaneous", "frozen": ["bob"]}
+    first, *others = raw["agents"]
+    if args.setting == "first_only":
+        raw["schedule"] = {"kind": "simultaneous", "frozen": others}
     elif args.setting == "one_agent":
-        raw["agents"].pop("bob")
-        raw["roles"]["assignment"] = {role: "alice" for role in raw["roles"]["assignment"]}
+        for other in others:
+            raw["agents"].pop(other)
+        raw["roles"]["assignment"] = {role: first for role in raw["roles"]["assignment"]}
         raw["schedule"] = {"kind": "simultaneous"}
+    if args.setting != "both" and raw.get("eval"):
+        raw["eval"].pop("partners", None)  # the partners name agents this setting freezes or drops
     return validate_config(raw, source=Path(args.config).resolve())
 
 
 def run(args, seed: int) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        config = config_for(args, seed, str(Path(tmp) / "run"))
-        with Coordinator(config, run_dir=Path(tmp) / "run") as coord:
-            before = coord.evaluation.run(coord.generate, coord.assignment)
-            history = coord.run()
-            after = coord.evaluation.run(coord.generate, coord.assignment)
+        run_dir = Path(args.keep) / f"{args.setting}-seed{seed}" if args.keep else Path(tmp) / "run"
+        config = config_for(args, seed, str(run_dir))
+        with Coordinator(config, run_dir=run_dir) as coord:
+            evaluations, play = [], coord.evaluation.run
+            coord.evaluation.run = lambda *a: evaluations.append(play(*a)) or evaluations[-1]  # keep the episodes
+            history = coord.run()  # evaluates before the first step and after the last
+    before, after = evaluations[0], evaluations[-1]
     rewards = [m["reward/mean"] for m in history]
-    gain = compare(before.episodes[""]["reward/mean"], after.episodes[""]["reward/mean"], before.samples)
+    gains = {label: compare(before.episodes[label]["reward/mean"], after.episodes[label]["reward/mean"], before.samples)
+             for label in after.episodes}  # each setting against itself at the initial weights: the same seeds
     flat = {key.rsplit("/", 1)[1]: statistics.fmean(m[key] for m in history[-WINDOW:] if key in m)
             for key in sorted({k for m in history for k in m if k.startswith("groups/zero_variance/")})}
-    return {"first": statistics.fmean(rewards[:WINDOW]), "last": statistics.fmean(rewards[-WINDOW:]), "gain": gain,
+    return {"first": statistics.fmean(rewards[:WINDOW]), "last": statistics.fmean(rewards[-WINDOW:]), "gain": gains[""],
+            "partners": {label: gain for label, gain in gains.items() if label},
             "flat": flat, "steps": len(rewards), "seconds": time.perf_counter() - start}
 
 

@@ -136,3 +136,70 @@ def test_the_demos_held_out_evaluation_is_wired(tmp_path):
     assert len(before.episodes[""]["reward/mean"]) == 128 and len(set(before.samples)) == 32
     c = compare(before.episodes[""]["reward/mean"], before.episodes[""]["reward/mean"], before.samples)
     assert c["difference"] == 0.0 and c["samples"] == 32
+
+
+# ------------------------------------------------------------------------------------------ guess
+def _guess(name: str):
+    return import_object(f"{EXAMPLES / 'guess' / 'env.py'}:{name}")
+
+
+def test_guess_pays_only_a_pick_of_the_secret_word_alone():
+    env = _guess("GuessEnv")()
+    sample = {"word": "cat", "options": ["dog", "cat", "tree", "bed"]}
+    assert "cat" in env.reset(sample)["describer"]
+    first = env.step({"describer": "A small pet.  It purrs\nand meows."})
+    assert first.reward == 0.0 and not first.terminated and list(first.prompts) == ["guesser"]
+    assert "Options: dog, cat, tree, bed." in first.prompts["guesser"] and "Clue: A small pet. It purrs and meows." \
+        in first.prompts["guesser"]
+    last = env.step({"guesser": "The answer is: Cats."})
+    assert last.reward == 1.0 and last.terminated
+    assert env.episode_info() == {"guess_correct": 1.0, "success": 1.0, "said_word": 0.0, "named_options": 1.0}
+    for guess, named in [("dog", 1.0), ("cat or dog", 2.0), ("a feline", 0.0), ("", 0.0), ("category", 0.0)]:
+        env.reset(sample)
+        env.step({"describer": "A small pet."})
+        result = env.step({"guesser": guess})
+        assert result.reward == 0.0, guess  # a wrong pick, a hedge over two options, or none pays nothing
+        assert env.episode_info()["named_options"] == named
+        assert (result.infos.get("guesser", {}).get("invalid", False)) == (named == 0.0)
+
+
+def test_guess_masks_the_secret_word_in_the_description():
+    env = _guess("GuessEnv")()
+    env.reset({"word": "box", "options": ["box", "cat", "tree", "bed"]})
+    shown = env.step({"describer": "Boxes! A BOX holds a toolbox."}).prompts["guesser"]
+    assert "Clue: ___! A ___ holds a toolbox." in shown  # the word and its plural in any case; not inside words
+    assert env.step({"guesser": "box"}).reward == 1.0 and env.episode_info()["said_word"] == 1.0
+    env.reset({"word": "box", "options": ["box", "cat", "tree", "bed"]})
+    result = env.step({"describer": "   "})
+    assert "Clue: (nothing)" in result.prompts["guesser"] and result.infos["describer"]["invalid"]
+
+
+def test_guess_held_out_words_never_appear_in_training_rows():
+    make, held_out = _guess("make_dataset"), set(_guess("HELD_OUT"))
+    train, evaluation = make().to_list(), make(split="eval", n=48, seed=1).to_list()
+    assert not held_out & {w for row in train for w in row["options"]}
+    assert {w for row in evaluation for w in row["options"]} <= held_out
+    assert {row["word"] for row in evaluation} == held_out  # every held-out word is a secret twice
+    for row in train + evaluation:
+        assert len(set(row["options"])) == 4 and row["word"] in row["options"]
+    assert make(seed=3).to_list() == make(seed=3).to_list() != make(seed=4).to_list()
+    with pytest.raises(ValueError, match="split must be"):
+        make(split="test")
+
+
+def test_the_guess_recipes_partner_evaluation_is_wired(tmp_path):
+    """One step of the SmolLM2 recipe on the tiny model (its wiring, not its learning): the evaluation plays the
+    held-out words as trained and beside each partner at its initial weights, before and after."""
+    from orchestrator.coordinator import Coordinator
+
+    config = load_config(EXAMPLES / "guess" / "config.yaml", [
+        "ray.enabled=false", "train.steps=1", "train.batch_size=1", "train.num_generations=2", "train.progress=false",
+        "agents.alice.model=builtin:tiny", "agents.bob.model=builtin:tiny", "eval.max_samples=4"])
+    with Coordinator(config, run_dir=tmp_path / "run") as coord:
+        assert set(coord.evaluation.samples[0]["options"]) <= set(_guess("HELD_OUT"))
+        coord.run()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [row for row in rows if "eval/reward/mean" in row]
+    assert [row["step"] for row in evals] == [0, 1]
+    for label in ("", "bob_initial/", "alice_initial/"):
+        assert all(row[f"eval/{label}episodes"] == 8 for row in evals), label
