@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -83,6 +84,7 @@ class LocalTrainers(TrainerPool):
         from agent_trainer.hosts import Host
 
         self.set_threads = torch.set_num_threads
+        self.lock = threading.Lock()
         return_freed_memory()
         self.agents = list(config.agents)
         self.hosts: dict[str, Host] = {}  # agent -> its host
@@ -97,12 +99,13 @@ class LocalTrainers(TrainerPool):
     def _fan_out(self, method: Callable, calls: dict[str, tuple], timeout: float | None) -> dict[str, Any]:
         dispatch = dispatch_of(method)
         results = {}
-        for name, args in calls.items():
-            self.set_threads(self.threads[name])
-            try:
-                results[name] = dispatch.collect([self.hosts[name].call(name, method, *args)])
-            except Exception as exc:
-                raise TrainerFailure(name, method.__name__, describe(exc), recoverable=False) from exc
+        with self.lock:  # one call at a time, whichever thread asks (asynchronous rollouts play in their own)
+            for name, args in calls.items():
+                self.set_threads(self.threads[name])
+                try:
+                    results[name] = dispatch.collect([self.hosts[name].call(name, method, *args)])
+                except Exception as exc:
+                    raise TrainerFailure(name, method.__name__, describe(exc), recoverable=False) from exc
         return results
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:

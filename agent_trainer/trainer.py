@@ -123,6 +123,9 @@ class AgentTrainer:
     # ------------------------------------------------------------------------------------ generate
     def generate(self, request: GenerateRequest) -> GenerateResult:
         start = time.perf_counter()
+        if request.policy_version is not None and request.policy_version != self.policy_version:
+            raise ValueError(f"agent {self.name!r}: a generate planned for policy version {request.policy_version} "
+                             f"reached weights at version {self.policy_version}")
         gen = self.agent.generation
         temperature = gen.temperature if request.temperature is None else request.temperature
         first, last = self.parallel.rows(len(request.prompts))  # this worker's share of the rows

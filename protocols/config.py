@@ -117,6 +117,12 @@ class RolloutConfig(_Strict):
     correcting for an engine whose log-probs differ from the trainer's. Unset: 2.0 with engine vllm, off with hf
     (its behaviour log-probs come from the learner's own model). None: off."""
 
+    max_staleness: int | None = Field(None, ge=0)
+    """Most policy versions this agent's actions (and its partners' in the same episode) may be behind their
+    learners when this agent's update uses them; staler ones are dropped and counted (`staleness/NAME/dropped`).
+    None: `train.max_staleness`. At most `train.max_staleness`, which sets how far rollouts run ahead (see
+    docs/roles-and-schedules.md, "Asynchronous rollouts")."""
+
     @model_validator(mode="after")
     def _engine_defaults(self) -> RolloutConfig:
         if self.engine == "vllm":
@@ -398,6 +404,13 @@ class TrainConfig(_Strict):
     resuming with a higher bound writes them again from there. None: no bound."""
     progress: bool = True
     """Show a progress bar."""
+    max_staleness: int = Field(0, ge=0)
+    """K: how many policy versions an action may be behind its learner (and its partners' learners) when an update
+    uses it. 0: synchronous, every step generates then updates. K > 0: the rollouts of the next steps are played
+    while the current step's updates run, as far ahead as the schedule keeps every agent within K versions (under
+    `simultaneous` K steps ahead, under `alternate` 2K); each action records the version that drew it, and the
+    update's importance weights are taken against its behaviour log-probs (see docs/roles-and-schedules.md,
+    "Asynchronous rollouts"). Overridable per agent with `agents.NAME.rollout.max_staleness`."""
 
     @model_validator(mode="after")
     def _storage(self) -> TrainConfig:
@@ -501,6 +514,12 @@ class RunConfig(_Strict):
                 raise ValueError(f"agents.{name}.rollout.vllm.sleep_mode: true frees GPU memory during updates, but "
                                  f"agents.{name}.resources.num_gpus is 0 (vLLM has no sleep mode on CPU); set "
                                  f"agents.{name}.rollout.vllm.sleep_mode: false or give the agent a GPU")
+        for name, agent in self.agents.items():
+            own = agent.rollout.max_staleness
+            if own is not None and own > self.train.max_staleness:
+                raise ValueError(f"agents.{name}.rollout.max_staleness: {own} is above train.max_staleness "
+                                 f"{self.train.max_staleness}, which sets how far rollouts run ahead, so no action is "
+                                 f"ever that stale and it would change nothing; lower it, or raise train.max_staleness")
         problem = hosts_problem(self)
         if problem:
             raise ValueError(problem)
