@@ -114,8 +114,9 @@ class RolloutConfig(_Strict):
     tis_cap: float | None = Field(None, ge=1.0)
     """Truncated importance sampling: every token's policy-gradient term is weighted by
     min(exp(trainer log-prob - behaviour log-prob), tis_cap), the trainer's log-prob taken before the update,
-    correcting for an engine whose log-probs differ from the trainer's. Unset: 2.0 with engine vllm, off with hf
-    (its behaviour log-probs come from the learner's own model). None: off."""
+    correcting for an engine whose log-probs differ from the trainer's, or for actions drawn by an older policy
+    version (asynchronous rollouts). Unset: 2.0 with engine vllm or a max_staleness above 0, else off (hf's
+    behaviour log-probs come from the learner's own model). None: off."""
 
     max_staleness: int | None = Field(None, ge=0)
     """Most policy versions this agent's actions (and its partners' in the same episode) may be behind their
@@ -516,6 +517,8 @@ class RunConfig(_Strict):
                                  f"agents.{name}.rollout.vllm.sleep_mode: false or give the agent a GPU")
         for name, agent in self.agents.items():
             own = agent.rollout.max_staleness
+            if "tis_cap" not in agent.rollout.model_fields_set and (own if own is not None else self.train.max_staleness):
+                agent.rollout.tis_cap = 2.0  # stale actions: weighted against the policy that drew them
             if own is not None and own > self.train.max_staleness:
                 raise ValueError(f"agents.{name}.rollout.max_staleness: {own} is above train.max_staleness "
                                  f"{self.train.max_staleness}, which sets how far rollouts run ahead, so no action is "
