@@ -21,6 +21,9 @@ def placement_problem(config: RunConfig, cpus: float, gpus: float, where: str) -
     """Why the hosts' resource requests cannot fit `cpus` and `gpus` in all, and what to lower, or None.
     A host (an agent's own, or one adapter agents share) asks for its per-worker resources once per worker."""
     asked = {host: config.agents[names[0]].resources for host, names in host_layout(config).items()}
+    for name, agent in config.agents.items():  # a rollout engine of its own asks for its resources too
+        if agent.rollout.placement == "separate":
+            asked[f"{name} (rollout engine)"] = agent.rollout.resources or agent.resources
     shared = " (hosts.NAME.resources for a shared host)" if config.hosts else ""
     for kind, have, key in (("CPUs", cpus, "num_cpus"), ("GPUs", gpus, "num_gpus")):
         total = sum(getattr(r, key) * r.num_workers for r in asked.values())

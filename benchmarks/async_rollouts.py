@@ -9,8 +9,8 @@ G = agents x generate seconds. Two placements of the rollout engine:
 
   colocated  generate and update share the agent's one process (marsi's trainers today): an agent never does both
              at once, so the pipeline's gates make an update wait for the rollouts that need its old weights;
-  separate   the engine runs apart from the learner (`engines_apart`; `rollout.placement: separate` is not built
-             for real trainers yet): an agent generates with an older version while its learner updates.
+  separate   the engine runs apart from the learner (`engines_apart`, what `rollout.placement: separate` gives
+             real trainers): an agent generates with an older version while its learner updates.
 
 Bounds per step (the schedule's cycle averaged), printed beside each measurement:
   sync       G + U, with U the update seconds of a step where any agent trains: generate, then update;
@@ -72,7 +72,8 @@ class SleepingAgents(TrainerPool):
     generate and update take one lock; apart, its engine and its learner each have their own."""
 
     def __init__(self, agents: list[str], generate_s: float, update_s: float, apart: bool):
-        self.agents, self.generate_s, self.update_s, self.engines_apart = agents, generate_s, update_s, apart
+        self.agents, self.generate_s, self.update_s = agents, generate_s, update_s
+        self.engines_apart = set(agents) if apart else set()
         self.learner = {a: threading.Lock() for a in agents}
         self.engine = {a: threading.Lock() for a in agents} if apart else self.learner
         self.version = dict.fromkeys(agents, 0)

@@ -10,15 +10,15 @@ whatever the timing:
 
 - a generate of agent X for rollout r waits until X's updates of those steps are done (an agent that does not
   train at a step passes that step's gate as soon as the step's updates are decided);
-- with the rollout engine in the learner's process (colocated, every engine marsi has today) an update of step s
-  waits until the rollouts of steps up to s + L are played, since they need the weights it is about to change.
+- with the rollout engine in the learner's process (`rollout.placement: colocated`) an update of step s waits
+  until the rollouts of steps up to s + L are played, since they need the weights it is about to change; an
+  engine of its own (`separate`) takes the version each generate names from what its learner published.
 
 So every action's policy version is a function of the schedule and the data, not of timing; every generate is
 seeded by its request; and a run with K > 0 replays exactly. What overlaps: the rollouts of agents that do not
 train at a step with the updates of those that do, and the coordinator's own work (environments, advantages,
-logging, checkpoints) with both. An agent's own generate and update overlap only where its engine runs apart
-from its learner (`pool.engines_apart`), which marsi's trainers do not offer yet (the simulated agents of
-benchmarks/async_rollouts.py do).
+logging, checkpoints) with both, and, for an agent whose engine runs apart from its learner
+(`pool.engines_apart`: `rollout.placement: separate`), its own generate with its own update.
 
 A checkpoint after step s keeps the rollouts of steps s+1 .. s+L, already played with weights it no longer
 holds, in the coordinator state; any rollout further ahead is discarded and, on resume, played again with the
@@ -128,7 +128,7 @@ class AsyncRollouts:
         self.agents = list(cfg.agents)
         self.bounds = {a: (spec.rollout.max_staleness if spec.rollout.max_staleness is not None
                            else cfg.train.max_staleness) for a, spec in cfg.agents.items()}
-        self.apart = bool(getattr(coord.pool, "engines_apart", False))
+        self.apart = set(getattr(coord.pool, "engines_apart", ()))  # agents whose rollout engine is a process of its own
         self.limit = cfg.train.steps
         self.base = state.step
         self.played: dict[int, Played] = {r["step"]: Played.from_record(r) for r in state.rollouts}
@@ -240,7 +240,7 @@ class AsyncRollouts:
                     self.version_at[agent][step + 1] = self.version_at[agent][max(self.version_at[agent])]
                     self.through[agent] = step + 1
             self.cond.notify_all()
-        if not self.apart:
+        if set(training) - self.apart:
             self._wait(lambda: self._played_through(step + self.lag))
         self.update_start = time.perf_counter()
 
