@@ -169,3 +169,43 @@ def test_an_async_run_whose_trainer_dies_restarts_and_ends_as_if_uninterrupted(r
         run_killing(coord, victim, at_step=2)
         assert coord.restarts == 1
     assert without_times(rows(tmp_path / "run")) == uninterrupted
+
+
+@pytest.mark.fast
+def test_a_separate_engine_needs_ray_the_hf_engine_and_a_full_model_agent_of_its_own():
+    raw = config(train={"max_staleness": 1})
+    raw["agents"]["a"]["rollout"] = {"placement": "separate"}
+    with pytest.raises(ConfigError, match=r"agents\.a\.rollout\.placement: separate runs the engine in a process of "
+                                          r"its own, which needs Ray, but ray\.enabled is false"):
+        validate_config(raw)
+    raw["ray"]["enabled"] = True
+    raw["agents"]["a"]["rollout"] = {"placement": "separate", "engine": "vllm"}
+    with pytest.raises(ConfigError, match=r"is built for the hf engine \(got 'vllm'\)"):
+        validate_config(raw)
+    raw["agents"]["a"]["rollout"] = {"resources": {"num_cpus": 0.5}}
+    with pytest.raises(ConfigError, match=r"agents\.a\.rollout\.resources: engine resources are given but "
+                                          r"agents\.a\.rollout\.placement is 'colocated'"):
+        validate_config(raw)
+
+
+def _placed(placement: str) -> dict:
+    raw = config(turns=2, ray=True, train={"steps": 4, "max_staleness": 1})
+    for spec in raw["agents"].values():
+        spec["rollout"] = {"placement": placement, **({"resources": {"num_cpus": 0.5}} if placement == "separate" else {})}
+    return raw
+
+
+def test_a_separate_engine_samples_in_its_own_process_the_version_its_learner_published(ray_cluster):
+    """The engines of their own take each planned version from the object store: on the tiny model (float32) the
+    run's metrics equal those of engines in the learners' processes, update for update, with K = 1."""
+    runs = {}
+    for placement in ("colocated", "separate"):
+        with Coordinator(validate_config(_placed(placement)), None) as coord:
+            info = coord.pool.info()
+            runs[placement] = coord.run()
+        if placement == "separate":
+            assert all(i["rollout_engine"]["pid"] != i["pid"] for i in info.values())
+            assert coord.lag == 1
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    assert strip(runs["separate"]) == strip(runs["colocated"])
+    assert [r["staleness/a/max"] for r in runs["separate"]] == [0, 1, 1, 1]
