@@ -197,7 +197,11 @@ def node_label(node_id: str) -> str:
 class RayTrainers(TrainerPool):
     """One Ray actor per host worker; a call fans out to all named agents' workers, then gathers once.
     `workers[agent]` lists the actors of an agent's host in worker order.
-    Agents of one host are served by one actor, one call at a time; its death is a failure of each of them."""
+    Agents of one host are served by one actor, one call at a time; its death is a failure of each of them.
+    `engines[agent]` is the actor of an agent's rollout engine of its own (`rollout.placement: separate`)."""
+
+    engines: dict[str, Any] = {}  # set per pool in __init__; empty for a pool built without it
+    engines_apart: frozenset[str] | set[str] = frozenset()
 
     def __init__(self, config: RunConfig, updates: dict[str, int]):
         from agent_trainer.group import num_threads, placement_problem
@@ -252,6 +256,7 @@ class RayTrainers(TrainerPool):
         self.engines_apart = set(self.engines)
         self.published: dict[str, dict[int, Any]] = {a: {} for a in self.engines}  # version -> weights' object ref
         self.engine_version: dict[str, int | None] = dict.fromkeys(self.engines)
+        self.planned: dict[str, int] = {}  # agent -> the last version a rollout named
         self.sync_lock = threading.Lock()
         self.housemates = {agent: agents for agents in layout.values() for agent in agents}
         try:  # waits until every trainer is up, then joins each agent's workers into one group
@@ -365,13 +370,17 @@ class RayTrainers(TrainerPool):
             with self.sync_lock:
                 if versions is None:
                     self.published[agent], self.engine_version[agent] = {}, None
+                    self.planned.pop(agent, None)
                 self.published[agent][version] = ref
 
     def _sync_engine(self, agent: str, version: int | None) -> None:
-        """Put the learner's weights of policy `version` (None: the newest published) into `agent`'s engine, unless
-        it holds them; older versions are then forgotten (rollouts ask for versions in order)."""
+        """Put the learner's weights of policy `version` (None: the newest published, as an evaluation asks) into
+        `agent`'s engine, unless it holds them. Rollouts name the versions they plan, in order: versions older than
+        the last one named are forgotten (all but the newest, while none is named)."""
         with self.sync_lock:
             published = self.published[agent]
+            if version is not None:
+                self.planned[agent] = version
             version = max(published) if version is None else version
             if self.engine_version[agent] == version:
                 return
@@ -391,7 +400,8 @@ class RayTrainers(TrainerPool):
                 raise TrainerFailure(agent, "generate", f"its rollout engine could not take the weights: "
                                      f"{describe(exc.cause or exc)}", False) from None
             self.engine_version[agent] = version
-            for old in [v for v in published if v < version]:
+            floor = self.planned.get(agent, version)
+            for old in [v for v in published if v < floor]:
                 del published[old]
 
     def _failure(self, agent: str, rank: int, method: str, reason: str, recoverable: bool):
