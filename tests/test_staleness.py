@@ -17,8 +17,11 @@ from orchestrator.schedule import Schedule
 from orchestrator.staleness import rollout_lag, timing_metrics, usable_actions, weights_step
 from protocols.config import ConfigError, ScheduleConfig, validate_config
 from protocols.messages import Completion
-from tests.envs import config
+from tests.envs import HERE, config
 from tests.runs import MARSI, rows, run_killing, uninterrupted_rows, without_times, write
+
+
+ENVS = HERE / "envs.py"
 
 
 def lag(kind: str, agents=("a", "b"), k: int = 1, **schedule) -> int:
@@ -189,7 +192,8 @@ def test_a_separate_engine_needs_ray_the_hf_engine_and_a_full_model_agent_of_its
 
 
 def _placed(placement: str) -> dict:
-    raw = config(turns=2, ray=True, train={"steps": 4, "max_staleness": 1})
+    raw = config(turns=2, ray=True, train={"steps": 4, "max_staleness": 1},
+                 eval={"data": {"factory": f"{ENVS}:held_out"}, "every": 1})  # evaluations between planned versions
     for spec in raw["agents"].values():
         spec["rollout"] = {"placement": placement, **({"resources": {"num_cpus": 0.5}} if placement == "separate" else {})}
     return raw
@@ -202,10 +206,10 @@ def test_a_separate_engine_samples_in_its_own_process_the_version_its_learner_pu
     for placement in ("colocated", "separate"):
         with Coordinator(validate_config(_placed(placement)), None) as coord:
             info = coord.pool.info()
-            runs[placement] = coord.run()
+            runs[placement] = coord.run() + [coord.evaluate()]
         if placement == "separate":
             assert all(i["rollout_engine"]["pid"] != i["pid"] for i in info.values())
             assert coord.lag == 1
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
     assert strip(runs["separate"]) == strip(runs["colocated"])
-    assert [r["staleness/a/max"] for r in runs["separate"]] == [0, 1, 1, 1]
+    assert [r["staleness/a/max"] for r in runs["separate"][:-1]] == [0, 1, 1, 1]
