@@ -213,3 +213,13 @@ def test_a_separate_engine_samples_in_its_own_process_the_version_its_learner_pu
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
     assert strip(runs["separate"]) == strip(runs["colocated"])
     assert [r["staleness/a/max"] for r in runs["separate"][:-1]] == [0, 1, 1, 1]
+
+
+def test_validate_says_how_far_ahead_rollouts_run(tmp_path):
+    from tests.runs import marsi
+
+    raw = config(turns=2, train={"max_staleness": 1}, schedule={"kind": "alternate"})
+    out = marsi("validate", write(tmp_path, raw), "--steps", "1")
+    assert out.returncode == 0, out.stderr
+    assert ("asynchronous rollouts: train.max_staleness 1; each step's episodes are played 2 step(s) ahead, while "
+            "earlier steps update; rollout engines of their own: none") in out.stdout
