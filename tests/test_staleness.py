@@ -148,6 +148,12 @@ def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
     assert state["step"] == 2 and [r["step"] for r in state["rollouts"]] == [2]
     assert state["versions"] == {"a": 2, "b": 2}
     assert {e["turns"][0]["actions"][0]["completion"]["policy_version"] for e in state["rollouts"][0]["episodes"]} == {1}
+    import json
+
+    transcripts = [json.loads(line) for line in (tmp_path / "whole" / "transcripts.jsonl").read_text().splitlines()]
+    for t in transcripts:  # each episode names every agent's version, the one each of its actions carries
+        acted = {a["agent"]: a["policy_version"] for turn in t["turns"] for a in turn["actions"]}
+        assert t["policy_versions"] == acted == dict.fromkeys(("a", "b"), max(0, t["step"] - 2))
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([*MARSI, "run", str(write(tmp_path, raw)), "--run-dir", str(run_dir)],
