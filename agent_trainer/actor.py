@@ -279,6 +279,15 @@ def nodes_note(spread: int | None) -> str:
     return note
 
 
+def engine_config(config: RunConfig, agent: str) -> RunConfig:
+    """The config an agent's rollout engine of its own starts from: the agent alone, frozen (its weights come from
+    its learner), with the engine's resources."""
+    spec = config.agents[agent]
+    engine = spec.model_copy(update={"resources": spec.rollout.resources or spec.resources})
+    schedule = config.schedule.model_copy(update={"frozen": [*config.schedule.frozen, agent]})
+    return config.model_copy(update={"agents": {**config.agents, agent: engine}, "schedule": schedule})
+
+
 def node_label(node_id: str) -> str:
     """`node NAME (IP, id 0123abcd...)`: how messages name a Ray node (its name is its IP unless set with
     `ray start --node-name`)."""
@@ -292,7 +301,11 @@ def node_label(node_id: str) -> str:
 class RayTrainers(TrainerPool):
     """One Ray actor per host worker; a call fans out to all named agents' workers, then gathers once.
     `workers[agent]` lists the actors of an agent's host in worker order.
-    Agents of one host are served by one actor, one call at a time; its death is a failure of each of them."""
+    Agents of one host are served by one actor, one call at a time; its death is a failure of each of them.
+    `engines[agent]` is the actor of an agent's rollout engine of its own (`rollout.placement: separate`)."""
+
+    engines: dict[str, Any] = {}  # set per pool in __init__; empty for a pool built without it
+    engines_apart: frozenset[str] | set[str] = frozenset()
 
     def __init__(self, config: RunConfig, updates: dict[str, int]):
         from agent_trainer.group import num_threads
@@ -307,6 +320,11 @@ class RayTrainers(TrainerPool):
         runtime_env = trainer_env(config.ray)
         plan = placement_plan(resources, config.ray.placement_strategy)
         requests = [group_request(resources, hosts) for _, hosts in plan]
+        apart = {a: spec.rollout.resources or spec.resources for a, spec in config.agents.items()
+                 if spec.rollout.placement == "separate"}  # agents whose rollout engine is an actor of its own
+        if apart:  # the engines in a group of their own, placed as the run's trainers are
+            plan.append((config.ray.placement_strategy, []))
+            requests.append({"bundles": [bundle_of(r) for r in apart.values()]})
         self.groups = [placement_group(strategy=strategy, **request) for (strategy, _), request in zip(plan, requests)]
         try:
             ray.get([group.ready() for group in self.groups], timeout=config.ray.placement_timeout_s)
@@ -314,6 +332,7 @@ class RayTrainers(TrainerPool):
             self._remove_groups()
             asked = ", ".join(f"{host}: {bundle_of(resources[host])}" for _, hosts in plan for host in hosts
                               for _ in range(resources[host].num_workers))
+            asked += "".join(f", {agent} (rollout engine): {bundle_of(r)}" for agent, r in apart.items())
             spread = [len(r["bundles"]) for (strategy, _), r in zip(plan, requests) if strategy == "STRICT_SPREAD"]
             free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")}
             raise PlacementError(
@@ -335,6 +354,18 @@ class RayTrainers(TrainerPool):
                     ).remote(host, config, updates, num_threads(r.num_cpus)))
                     bundle += 1
                 self.workers.update(dict.fromkeys(layout[host], workers))
+        self.engines = {}  # agent -> its rollout engine's actor (rollout.placement: separate)
+        for bundle, (agent, r) in enumerate(apart.items()):
+            self.engines[agent] = actor_cls.options(
+                num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.groups[-1],
+                                                                     placement_group_bundle_index=bundle),
+            ).remote(agent, engine_config(config, agent), updates, num_threads(r.num_cpus))
+        self.engines_apart = set(self.engines)
+        self.published: dict[str, dict[int, Any]] = {a: {} for a in self.engines}  # version -> weights' object ref
+        self.engine_version: dict[str, int | None] = dict.fromkeys(self.engines)
+        self.planned: dict[str, int] = {}  # agent -> the last version a rollout named
+        self.sync_lock = threading.Lock()
         self.housemates = {agent: agents for agents in layout.values() for agent in agents}
         try:  # waits until every trainer is up, then joins each agent's workers into one group
             info = self.start_info = self.info(timeout=config.train.start_timeout_s)
@@ -352,6 +383,7 @@ class RayTrainers(TrainerPool):
         if errors:
             self.close()
             raise TrainerStartError(errors[0])
+        self._publish(list(self.engines))
 
     def _join_workers(self, info: dict[str, dict[str, Any]], start_timeout: float | None,
                       call_timeout: float | None) -> None:
@@ -385,8 +417,12 @@ class RayTrainers(TrainerPool):
         dispatch = dispatch_of(method)
         method_label = method.__name__
         refs = {}  # ref -> (agent, worker rank)
+        generating = method is Agent.generate
         for name, args in calls.items():
-            group = self.workers[name] if dispatch.all_workers else self.workers[name][:1]
+            if generating and name in self.engines:
+                self._sync_engine(name, args[0].policy_version)
+            group = ([self.engines[name]] if generating and name in self.engines
+                     else self.workers[name] if dispatch.all_workers else self.workers[name][:1])
             if len(group) > 1:  # one copy in the object store for all workers
                 args = tuple(ray.put(arg) for arg in args)
             refs.update({actor.call.remote(name, method_label, *args): (name, rank) for rank, actor in enumerate(group)})
@@ -421,7 +457,60 @@ class RayTrainers(TrainerPool):
                 collected[name] = dispatch.collect([got[r] for r in sorted(got)])
             except WorkersDisagree as exc:
                 raise TrainerFailure(name, method_label, f"its workers disagree: {exc}", recoverable=False) from None
+        if method is Agent.update:
+            self._publish([a for a in collected if a in self.engines], {a: collected[a].policy_version for a in collected})
+        elif method is Agent.load:
+            self._publish([a for a in collected if a in self.engines])
         return collected
+
+    # ------------------------------------------------------------------- rollout engines of their own
+    def _publish(self, agents: list[str], versions: dict[str, int] | None = None) -> None:
+        """Each learner of `agents` puts its weights into the object store, under its policy version (asked when not
+        given: at start and after a load, which also forget what was published before). Nothing passes the driver:
+        the engine takes the weights from the store when a generate asks for that version."""
+        for agent in agents:
+            learner = self.workers[agent][0]
+            if versions is None:
+                version = ray.get(learner.call.remote(agent, "version"), timeout=self.checkpoint_timeout)
+            else:
+                version = versions[agent]
+            ref = learner.call.remote(agent, "published_weights")
+            with self.sync_lock:
+                if versions is None:
+                    self.published[agent], self.engine_version[agent] = {}, None
+                    self.planned.pop(agent, None)
+                self.published[agent][version] = ref
+
+    def _sync_engine(self, agent: str, version: int | None) -> None:
+        """Put the learner's weights of policy `version` (None: the newest published, as an evaluation asks) into
+        `agent`'s engine, unless it holds them. Rollouts name the versions they plan, in order: versions older than
+        the last one named are forgotten (all but the newest, while none is named)."""
+        with self.sync_lock:
+            published = self.published[agent]
+            if version is not None:
+                self.planned[agent] = version
+            version = max(published) if version is None else version
+            if self.engine_version[agent] == version:
+                return
+            if version not in published:
+                raise TrainerFailure(agent, "generate", f"its rollout engine was asked for policy version {version}, "
+                                     f"which its learner has not published (published: {sorted(published)})", False)
+            ref = published[version]
+            try:
+                ray.get(self.engines[agent].call.remote(agent, "take_weights", ref, version), timeout=self.call_timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise TrainerFailure(agent, "generate", "its rollout engine took no weights within "
+                                     f"{self.call_timeout:g}s (hung)", True) from None
+            except ray.exceptions.RayActorError as exc:
+                raise TrainerFailure(agent, "generate", f"its rollout engine's process, or its learner's, died "
+                                     f"({one_line(exc)[:200]})", True) from None
+            except ray.exceptions.RayTaskError as exc:
+                raise TrainerFailure(agent, "generate", f"its rollout engine could not take the weights: "
+                                     f"{describe(exc.cause or exc)}", False) from None
+            self.engine_version[agent] = version
+            floor = self.planned.get(agent, version)
+            for old in [v for v in published if v < floor]:
+                del published[old]
 
     def _failure(self, agent: str, rank: int, method: str, reason: str, recoverable: bool):
         size = len(self.workers[agent])
@@ -464,10 +553,13 @@ class RayTrainers(TrainerPool):
             per_worker = [w if "" not in w else dict.fromkeys(self.layout[host], w[""]) for w in per_worker]
             for agent in self.layout[host]:
                 out[agent] = {**per_worker[0][agent], "workers": [w[agent] for w in per_worker]}
+        engines = ray.get([self.engines[a].info.remote() for a in self.engines], timeout=timeout)
+        for agent, answer in zip(self.engines, engines):
+            out[agent]["rollout_engine"] = answer.get(agent, answer.get(""))
         return out
 
     def close(self) -> None:
-        for actor in {id(a): a for group in self.workers.values() for a in group}.values():
+        for actor in [*{id(a): a for group in self.workers.values() for a in group}.values(), *self.engines.values()]:
             ray.kill(actor)
         self.workers.clear()
         self._remove_groups()

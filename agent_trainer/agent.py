@@ -65,6 +65,24 @@ class Agent:
             return self._trainer.weight_digests()
 
     @register(Dispatch.RANK_ZERO)
+    def version(self) -> int:
+        """The policy version of the weights the agent computes with (its updates so far)."""
+        return self._trainer.policy_version
+
+    @register(Dispatch.RANK_ZERO)
+    def published_weights(self) -> dict:
+        """The weights, on the CPU, for a rollout engine in another process (`rollout.placement: separate`); the
+        Ray pool leaves them in the object store, where the engine takes them."""
+        with self._trainer.selected():
+            return self._trainer.published_weights()
+
+    @register(Dispatch.RANK_ZERO)
+    def take_weights(self, weights: dict, version: int) -> None:
+        """An engine process: sample with `weights`, the learner's at policy `version`, from now on."""
+        with self._trainer.selected():
+            self._trainer.take_weights(weights, version)
+
+    @register(Dispatch.RANK_ZERO)
     def score(self, request: ScoreRequest) -> list[list[float]]:
         """Log-probs of each completion token under the full softmax at temperature 1 (`AgentTrainer.score`)."""
         with self._trainer.selected():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +21,9 @@ def placement_problem(config: RunConfig, cpus: float, gpus: float, where: str) -
     """Why the hosts' resource requests cannot fit `cpus` and `gpus` in all, and what to lower, or None.
     A host (an agent's own, or one adapter agents share) asks for its per-worker resources once per worker."""
     asked = {host: config.agents[names[0]].resources for host, names in host_layout(config).items()}
+    for name, agent in config.agents.items():  # a rollout engine of its own asks for its resources too
+        if agent.rollout.placement == "separate":
+            asked[f"{name} (rollout engine)"] = agent.rollout.resources or agent.resources
     shared = " (hosts.NAME.resources for a shared host)" if config.hosts else ""
     for kind, have, key in (("CPUs", cpus, "num_cpus"), ("GPUs", gpus, "num_gpus")):
         total = sum(getattr(r, key) * r.num_workers for r in asked.values())
@@ -83,6 +87,7 @@ class LocalTrainers(TrainerPool):
         from agent_trainer.hosts import Host
 
         self.set_threads = torch.set_num_threads
+        self.lock = threading.Lock()
         return_freed_memory()
         self.agents = list(config.agents)
         self.hosts: dict[str, Host] = {}  # agent -> its host
@@ -97,12 +102,13 @@ class LocalTrainers(TrainerPool):
     def _fan_out(self, method: Callable, calls: dict[str, tuple], timeout: float | None) -> dict[str, Any]:
         dispatch = dispatch_of(method)
         results = {}
-        for name, args in calls.items():
-            self.set_threads(self.threads[name])
-            try:
-                results[name] = dispatch.collect([self.hosts[name].call(name, method, *args)])
-            except Exception as exc:
-                raise TrainerFailure(name, method.__name__, describe(exc), recoverable=False) from exc
+        with self.lock:  # one call at a time, whichever thread asks (asynchronous rollouts play in their own)
+            for name, args in calls.items():
+                self.set_threads(self.threads[name])
+                try:
+                    results[name] = dispatch.collect([self.hosts[name].call(name, method, *args)])
+                except Exception as exc:
+                    raise TrainerFailure(name, method.__name__, describe(exc), recoverable=False) from exc
         return results
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:

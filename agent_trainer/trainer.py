@@ -127,6 +127,9 @@ class AgentTrainer:
     # ------------------------------------------------------------------------------------ generate
     def generate(self, request: GenerateRequest) -> GenerateResult:
         start = time.perf_counter()
+        if request.policy_version is not None and request.policy_version != self.policy_version:
+            raise ValueError(f"agent {self.name!r}: a generate planned for policy version {request.policy_version} "
+                             f"reached weights at version {self.policy_version}")
         gen = self.agent.generation
         temperature = gen.temperature if request.temperature is None else request.temperature
         first, last = self.parallel.rows(len(request.prompts))  # this worker's share of the rows
@@ -377,6 +380,17 @@ class AgentTrainer:
             self.from_checkpoint = True
         self.load_training_state(path)
         return self._checkpoint_info(path)
+
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights on the CPU, for a rollout engine in another process (`rollout.placement: separate`)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def take_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Sample with these weights, published by the agent's learner at policy `version`, from now on (an engine
+        process: its weights never train)."""
+        self.model.load_state_dict(weights)
+        self.engine.sync(self.model)
+        self.policy_version = version
 
     def _set_weights(self, model) -> None:
         """Make `model` the policy, on this trainer's device, and put its weights into the rollout engine."""

@@ -286,6 +286,11 @@ def cmd_validate(args) -> int:
         unused = [f"agents.{a}.optimizer" for a in frozen if "optimizer" in config.agents[a].model_fields_set]
         print(f"frozen, never updated in this run: {', '.join(frozen)}" +
               (f"; {', '.join(unused)} set but unused" if unused else ""))
+    if coordinator.lag:
+        apart = [a for a, spec in config.agents.items() if spec.rollout.placement == "separate"]
+        print(f"asynchronous rollouts: train.max_staleness {config.train.max_staleness}; each step's episodes are "
+              f"played {coordinator.lag} step(s) ahead, while earlier steps update; rollout engines of their own: "
+              f"{', '.join(apart) or 'none'}")
     print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "
           "(* marks the roles that acted)")
     for step in range(min(args.steps, config.train.steps)):

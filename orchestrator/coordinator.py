@@ -26,13 +26,15 @@ from agent_trainer.storage import StorageError
 from orchestrator import rollout, runstore
 from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines, zero_variance_shares
 from orchestrator.console import phase, progress
-from orchestrator.data import DataPosition, load_samples, next_batch
+from orchestrator.data import DataPosition, load_samples
 from orchestrator.evaluation import Evaluation, partner_agents
+from orchestrator.pipeline import AsyncRollouts, SyncRollouts, kept_rollouts
 from orchestrator.runlog import (
     EVAL_TRANSCRIPTS, CheckpointName, RunDirError, RunLog, agent_files, as_checkpoint, checkpoint_problem,
     read_checkpoint_state, recorded_place,
 )
 from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
+from orchestrator.staleness import rollout_lag
 from protocols.config import ConfigError, RunConfig, load_config
 from protocols.errors import UserError
 from protocols.messages import (
@@ -54,6 +56,11 @@ class CoordinatorState:
     """EMA return baseline per agent, role and turn (algorithm.baseline == "ema")."""
     loop_state: dict[str, Any] = field(default_factory=dict)
     """A custom loop's own state (JSON values), saved with each checkpoint and given back by restore."""
+    versions: dict[str, int] = field(default_factory=dict)
+    """Each agent's policy version (its updates so far); absent: 0."""
+    rollouts: list[dict[str, Any]] = field(default_factory=list)
+    """Asynchronous rollouts (train.max_staleness > 0): the episodes of the steps after `step` already played with
+    weights older than the checkpoint's (`pipeline.Played.record`); `data` and `episodes` stand after them."""
 
 
 class Coordinator:
@@ -68,6 +75,8 @@ class Coordinator:
         self.resuming = resume
         storage.set_deadline(config.train.storage_timeout_s)  # every call to the store from this process
         self.schedule = Schedule(config.schedule, list(config.agents))
+        self.lag = rollout_lag(self.schedule.training_agents, self.schedule.cycle, config.train.max_staleness)
+        """Steps the rollouts run ahead of the updates (0: synchronous); `orchestrator.staleness`."""
         self.assignment = RoleAssignment(config.roles)
         self.make_env = rollout.env_factory(config.environment.name, config.environment.kwargs)
         env = rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
@@ -388,6 +397,10 @@ class Coordinator:
         raw = read_checkpoint_state(candidate)
         self.state = CoordinatorState(step=raw["step"], episodes=raw["episodes"], data=DataPosition(**raw["data"]),
                                       baselines=saved_baselines(raw["baselines"], self.max_turns), loop_state=raw.get("loop_state", {}))
+        self.state.versions = raw.get("versions") or {a: self.schedule.updates(a, raw["step"]) for a in self.config.agents}
+        self.state.rollouts, replay = kept_rollouts(raw.get("rollouts", []), raw["step"], self.lag)
+        if replay is not None:  # played further ahead than this run's lag: drawn and played again
+            self.state.data, self.state.episodes = DataPosition(**replay["data_before"]), replay["episodes_before"]
         self.log.truncate_after(self.state.step)
         self.restored_from = candidate
         return candidate
@@ -477,31 +490,35 @@ class Coordinator:
                   time.perf_counter() - began)
         bar = progress(self.state.step, until, cfg.progress)
         history, failed_at = [], None
+        rollouts = self._rollouts()
         try:  # the bar is closed whatever happens, so an error starts a line of its own
             while self.state.step < until and not self.stop_requested:
                 self._seconds.clear()
                 start = time.perf_counter()
                 try:
-                    # rollout
-                    epoch = self.state.data.epoch
-                    samples = next_batch(self.samples, cfg.batch_size, self.state.data, cfg.seed, self.config.data.shuffle)
-                    if self.state.data.epoch != epoch:
-                        self.warn_once("data", "epoch", f"data: all {len(self.samples)} samples used; going round again"
-                                       f"{' (reshuffled each epoch)' if self.config.data.shuffle else ''}; data/epoch counts")
-                    episodes = self.play(samples)
+                    # rollout: played now, or ahead while earlier steps updated (train.max_staleness)
+                    step = self.state.step
+                    episodes, position = rollouts.take(step)
                     # advantages
                     experiences = experiences_by_agent(episodes, self.config.algorithm, self.state.baselines)
-                    # update: the scheduled agents only; the others' experiences are dropped (on-policy)
-                    scheduled = self.schedule.training_agents(self.state.step)
-                    training = [a for a in scheduled if a in experiences]
-                    results = self.train({a: experiences[a] for a in training})
+                    # update: the scheduled agents only, on the actions fresh enough; the others' are dropped
+                    scheduled = self.schedule.training_agents(step)
+                    usable, staleness = rollouts.usable(step, episodes, {a: experiences[a] for a in scheduled
+                                                                         if a in experiences}, scheduled)
+                    training = [a for a in scheduled if a in usable]
+                    rollouts.updating(step, training)
+                    results = self.train({a: usable[a] for a in training})
+                    self.state.versions.update({a: r.policy_version for a, r in results.items()})
+                    rollouts.updated(step, training)
                     self.state.step += 1
                     # log
                     metrics = step_metrics(self.state.step, episodes, results, self._seconds, time.perf_counter() - start)
-                    metrics["data/epoch"] = self.state.data.epoch + self.state.data.index / len(self.samples)
+                    metrics.update(staleness)
+                    metrics.update(rollouts.metrics((start, time.perf_counter())))
+                    metrics["data/epoch"] = position.epoch + position.index / len(self.samples)
                     for agent, share in zero_variance_shares(episodes, self.config.algorithm).items():
                         metrics[f"groups/zero_variance/{agent}"] = share
-                    for agent in sorted(set(scheduled) - set(training)):
+                    for agent in sorted(set(scheduled) - set(training) - set(experiences)):
                         metrics[f"no_experiences/{agent}"] = 1
                         self.warn_once(agent, "idle", f"agent {agent!r} is scheduled to train but got no experiences at "
                                        f"step {self.state.step} (no role it holds was prompted); its update is skipped "
@@ -519,6 +536,7 @@ class Coordinator:
                     every = cfg.checkpoint_every
                     at_end = self.state.step == cfg.steps or self.stop_requested
                     if self.log is not None and ((every and self.state.step % every == 0) or at_end):
+                        rollouts.hand_over()
                         self._save_checkpoint()
                 except OSError as exc:  # a full or read-only disk under the run directory
                     if self.log is None:
@@ -526,7 +544,9 @@ class Coordinator:
                     raise RunDirError(self.log.disk_problem(exc)) from exc
                 except TrainerFailure as failure:
                     failed_at = time.perf_counter()
+                    rollouts.close()
                     self.recover(failure)  # back to the last checkpoint; its later steps are replayed
+                    rollouts = self._rollouts()
                     history = [m for m in history if m["step"] <= self.state.step]
                     bar.reset(until)
                     bar.update(self.state.step)
@@ -534,9 +554,15 @@ class Coordinator:
                 history.append(metrics)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", training=",".join(training) or "-")
                 bar.update(1)
+            rollouts.hand_over()  # what a later run() or checkpoint continues from
         finally:
+            rollouts.close()
             bar.close()
         return history
+
+    def _rollouts(self) -> SyncRollouts | AsyncRollouts:
+        """Where the steps' episodes come from: played at each step, or `self.lag` steps ahead."""
+        return AsyncRollouts(self, self.lag) if self.lag else SyncRollouts(self)
 
 
 def no_checkpoint(log: RunLog) -> str:

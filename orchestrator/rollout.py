@@ -63,16 +63,52 @@ class Episode:
             return {r: sum(self.role_rewards(r)) for r in self.env.possible_agents}
         return sum(t.reward for t in self.turns)
 
+    def policy_versions(self) -> dict[str, int]:
+        """The policy version of every agent that acted in this episode (its oldest, should it have acted at
+        several); the environment's scripted player has none."""
+        versions: dict[str, int] = {}
+        for turn in self.turns:
+            for a in turn.actions:
+                if a.completion.policy_version is not None:
+                    versions[a.agent] = min(versions.get(a.agent, a.completion.policy_version), a.completion.policy_version)
+        return versions
+
+    def record(self) -> dict[str, Any]:
+        """The episode as JSON values, whole enough to score and train on (`from_record`): what a checkpoint keeps
+        of a rollout played ahead of its step."""
+        return {"index": self.index, "sample_index": self.sample_index, "roles": list(self.env.possible_agents),
+                "terminated": self.terminated, "truncated": self.truncated, "info": self.info,
+                "turns": [{"reward": t.reward, "infos": t.infos,
+                           "actions": [{"role": a.role, "agent": a.agent, "prompt": a.prompt,
+                                        "completion": a.completion.model_dump()} for a in t.actions]}
+                          for t in self.turns]}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> Episode:
+        """An ended episode from `record()`; its `env` only names the roles (it cannot be stepped)."""
+        turns = [Turn([Action(a["role"], a["agent"], a["prompt"], Completion(**a["completion"])) for a in t["actions"]],
+                      t["reward"], t["infos"]) for t in record["turns"]]
+        return cls(index=record["index"], sample_index=record["sample_index"], env=RecordedRoles(record["roles"]),
+                   turns=turns, terminated=record["terminated"], truncated=record["truncated"], info=record["info"])
+
     def transcript(self) -> dict[str, Any]:
         return {
             "episode": self.index, "sample": self.sample_index, "terminated": self.terminated,
             "truncated": self.truncated, "reward": self.total_reward(), "info": self.info,
+            "policy_versions": self.policy_versions(),
             "turns": [{"reward": t.reward, "infos": t.infos,
                        "actions": [{"role": a.role, "agent": a.agent, "prompt": a.prompt, "completion": a.completion.text,
                                     "finish_reason": a.completion.finish_reason, "advantage": a.advantage,
                                     "policy_version": a.completion.policy_version} for a in t.actions]}
                       for t in self.turns],
         }
+
+
+class RecordedRoles:
+    """The environment of an episode read back from a record: its roles, nothing to step."""
+
+    def __init__(self, possible_agents: list[str]):
+        self.possible_agents = list(possible_agents)
 
 
 def derive_seed(*parts: Any) -> int:

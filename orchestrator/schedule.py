@@ -29,6 +29,14 @@ class Schedule:
         pattern = self.config.pattern
         return [a for a in pattern[step % len(pattern)] if a in self.trainable]
 
+    @property
+    def cycle(self) -> int:
+        """Steps after which `training_agents` repeats."""
+        kind = self.config.kind
+        if kind in ("alternate", "round_robin"):
+            return max(1, len(self.order)) * self.config.period
+        return len(self.config.pattern) if kind == "pattern" else 1
+
     def updates(self, agent: str, steps: int) -> int:
         """Updates `agent` makes in the first `steps` steps."""
         return sum(agent in self.training_agents(k) for k in range(steps))

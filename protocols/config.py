@@ -178,8 +178,23 @@ class RolloutConfig(_Strict):
     tis_cap: float | None = Field(None, ge=1.0)
     """Truncated importance sampling: every token's policy-gradient term is weighted by
     min(exp(trainer log-prob - behaviour log-prob), tis_cap), the trainer's log-prob taken before the update,
-    correcting for an engine whose log-probs differ from the trainer's. Unset: 2.0 with engine vllm, off with hf
-    (its behaviour log-probs come from the learner's own model). None: off."""
+    correcting for an engine whose log-probs differ from the trainer's, or for actions drawn by an older policy
+    version (asynchronous rollouts). Unset: 2.0 with engine vllm or a max_staleness above 0, else off (hf's
+    behaviour log-probs come from the learner's own model). None: off."""
+
+    placement: Literal["colocated", "separate"] = "colocated"
+    """Where the engine samples: `colocated`, in the agent's trainer process (the learner's weights, or beside them);
+    `separate`, in a Ray actor of its own with its own copy of the weights (`resources`), which takes each policy
+    version the learner publishes through Ray's object store when a generate asks for it, so that with
+    `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray and the hf
+    engine, on a full-model agent of one worker."""
+    resources: ResourcesConfig | None = None
+    """`placement: separate`: the engine actor's CPUs and GPUs; None: the same as the agent's `resources`."""
+    max_staleness: int | None = Field(None, ge=0)
+    """Most policy versions this agent's actions (and its partners' in the same episode) may be behind their
+    learners when this agent's update uses them; staler ones are dropped and counted (`staleness/NAME/dropped`).
+    None: `train.max_staleness`. At most `train.max_staleness`, which sets how far rollouts run ahead (see
+    docs/roles-and-schedules.md, "Asynchronous rollouts")."""
 
     @model_validator(mode="after")
     def _engine_defaults(self) -> RolloutConfig:
@@ -467,6 +482,13 @@ class TrainConfig(_Strict):
     resuming with a higher bound writes them again from there. None: no bound."""
     progress: bool = True
     """Show a progress bar."""
+    max_staleness: int = Field(0, ge=0)
+    """K: how many policy versions an action may be behind its learner (and its partners' learners) when an update
+    uses it. 0: synchronous, every step generates then updates. K > 0: the rollouts of the next steps are played
+    while the current step's updates run, as far ahead as the schedule keeps every agent within K versions (under
+    `simultaneous` K steps ahead, under `alternate` 2K); each action records the version that drew it, and the
+    update's importance weights are taken against its behaviour log-probs (see docs/roles-and-schedules.md,
+    "Asynchronous rollouts"). Overridable per agent with `agents.NAME.rollout.max_staleness`."""
 
     @model_validator(mode="after")
     def _storage(self) -> TrainConfig:
@@ -578,6 +600,16 @@ class RunConfig(_Strict):
                 raise ValueError(f"agents.{name}.rollout.vllm.sleep_mode: true frees GPU memory during updates, but "
                                  f"agents.{name}.resources.num_gpus is 0 (vLLM has no sleep mode on CPU); set "
                                  f"agents.{name}.rollout.vllm.sleep_mode: false or give the agent a GPU")
+        for name, agent in self.agents.items():
+            own = agent.rollout.max_staleness
+            if "tis_cap" not in agent.rollout.model_fields_set and (own if own is not None else self.train.max_staleness):
+                agent.rollout.tis_cap = 2.0  # stale actions: weighted against the policy that drew them
+            if rollout_problem := separate_engine_problem(name, agent, self.ray.enabled):
+                raise ValueError(rollout_problem)
+            if own is not None and own > self.train.max_staleness:
+                raise ValueError(f"agents.{name}.rollout.max_staleness: {own} is above train.max_staleness "
+                                 f"{self.train.max_staleness}, which sets how far rollouts run ahead, so no action is "
+                                 f"ever that stale and it would change nothing; lower it, or raise train.max_staleness")
         problem = hosts_problem(self)
         if problem:
             raise ValueError(problem)
@@ -641,6 +673,26 @@ class RunConfig(_Strict):
                 f"{distinct} that is at least {2 * distinct}"
             )
         return self
+
+
+def separate_engine_problem(name: str, agent: AgentConfig, ray_enabled: bool) -> str | None:
+    """Why agent `name`'s `rollout.placement: separate` cannot be, naming the key and the fix, or None."""
+    rollout = agent.rollout
+    if rollout.placement != "separate":
+        if rollout.resources is not None:
+            return (f"agents.{name}.rollout.resources: engine resources are given but agents.{name}.rollout.placement "
+                    f"is 'colocated' (the engine shares the trainer's); set agents.{name}.rollout.placement: separate "
+                    f"or remove agents.{name}.rollout.resources")
+        return None
+    key = f"agents.{name}.rollout.placement: separate"
+    if not ray_enabled:
+        return f"{key} runs the engine in a process of its own, which needs Ray, but ray.enabled is false; set ray.enabled: true or placement: colocated"
+    if rollout.engine != "hf":
+        return f"{key} is built for the hf engine (got {rollout.engine!r}); set agents.{name}.rollout.engine: hf or placement: colocated"
+    if agent.adapter is not None or agent.host is not None or agent.resources.num_workers > 1:
+        return (f"{key} is built for a full-model agent of one worker on a host of its own; remove agents.{name}.adapter, "
+                f"agents.{name}.host and agents.{name}.resources.num_workers, or set placement: colocated")
+    return None
 
 
 def host_layout(config: RunConfig) -> dict[str, list[str]]:

@@ -37,6 +37,9 @@ class GenerateRequest(_Message):
     """Overrides the agent's setting for this request."""
     temperature: float | None = Field(None, ge=0.0)
     """Overrides the agent's setting for this request; 0 decodes greedily (evaluation)."""
+    policy_version: int | None = Field(None, ge=0)
+    """The policy version the caller planned this request for (asynchronous rollouts); the agent refuses a request
+    its weights are not at. None: whatever the weights are."""
 
 
 class Completion(_Message):

@@ -99,6 +99,10 @@ CASES = {
                                     "agents.a.rollout.vllm: vLLM settings are given but agents.a.rollout.engine is 'hf'"),
     "sleep_mode_without_gpu": (run(setter("agents.b.rollout", {"engine": "vllm", "vllm": {"sleep_mode": True}})),
                                "agents.b.rollout.vllm.sleep_mode: true frees GPU memory during updates"),
+    "staleness_bound_above_the_runs": (run(setter("agents.b.rollout", {"max_staleness": 1})),
+                                       "agents.b.rollout.max_staleness: 1 is above train.max_staleness 0"),
+    "separate_engine_without_ray": (run(setter("agents.a.rollout", {"placement": "separate"})),
+                                    "agents.a.rollout.placement: separate runs the engine in a process of its own"),
     "env_raises_in_reset": (run(broken_env("reset")), "episode 1 turn 1: BrokenEnv.reset raised KeyError: 'target' "
                                                       "at tests/envs.py:95;"),
     "env_raises_in_step": (run(broken_env("step")), "episode 1 turn 1: BrokenEnv.step raised ZeroDivisionError: "

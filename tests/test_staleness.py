@@ -1,0 +1,231 @@
+"""Asynchronous rollouts (train.max_staleness): the lag each schedule allows, which actions an update may use,
+the policy versions actions carry, K = 0 as the synchronous loop, and exact resume with rollouts in flight."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+
+from orchestrator import pipeline
+from orchestrator.coordinator import Coordinator
+from orchestrator.rollout import Action, Episode, RecordedRoles, Turn
+from orchestrator.runlog import RunLog, read_checkpoint_state
+from orchestrator.schedule import Schedule
+from orchestrator.staleness import rollout_lag, timing_metrics, usable_actions, weights_step
+from protocols.config import ConfigError, ScheduleConfig, validate_config
+from protocols.messages import Completion
+from tests.envs import HERE, config
+from tests.runs import MARSI, rows, run_killing, uninterrupted_rows, without_times, write
+
+
+ENVS = HERE / "envs.py"
+
+
+def lag(kind: str, agents=("a", "b"), k: int = 1, **schedule) -> int:
+    s = Schedule(ScheduleConfig(kind=kind, **schedule), list(agents))
+    return rollout_lag(s.training_agents, s.cycle, k)
+
+
+@pytest.mark.fast
+def test_the_lag_keeps_every_agent_within_k_versions_under_each_schedule():
+    assert lag("simultaneous", k=0) == 0
+    assert [lag("simultaneous", k=k) for k in (1, 2, 3)] == [1, 2, 3]
+    assert [lag("alternate", k=k) for k in (1, 2)] == [2, 4]  # an agent's version moves every other step
+    assert lag("alternate", k=1, period=2) == 1 and lag("alternate", k=2, period=2) == 4
+    assert lag("round_robin", ("a", "b", "c"), k=1) == 3
+    assert lag("pattern", k=1, pattern=[["a", "b"], ["a"]]) == 1  # a trains every step
+    assert lag("pattern", k=1, pattern=[["a"], [], ["b"]]) == 3
+    assert lag("simultaneous", ("a", "b"), k=2, frozen=["b"]) == 2  # a frozen agent's version never moves
+    assert lag("simultaneous", ("a",), k=2, frozen=["a"]) == 2  # nobody trains: K steps, bounded all the same
+
+
+@pytest.mark.fast
+def test_a_rollout_uses_the_weights_lag_steps_back_but_none_older_than_where_the_pipeline_started():
+    assert [weights_step(r, 2, 0) for r in range(5)] == [0, 0, 0, 1, 2]
+    assert [weights_step(r, 2, 3) for r in range(3, 7)] == [3, 3, 3, 4]
+
+
+def _episode(index: int, versions: dict[str, int | None]) -> Episode:
+    actions = [Action(role=f"r{i}", agent=agent, prompt="p",
+                      completion=Completion(text="x", prompt_ids=[1], completion_ids=[2], per_token_logps=[-0.1],
+                                            finish_reason="stop", policy_version=v))
+               for i, (agent, v) in enumerate(versions.items())]
+    return Episode(index=index, sample_index=0, env=RecordedRoles([a.role for a in actions]), turns=[Turn(actions, 1.0, {})])
+
+
+@pytest.mark.fast
+def test_an_update_drops_actions_staler_than_its_bound_its_own_or_a_partners():
+    episodes = [_episode(0, {"a": 3, "b": 2}), _episode(1, {"a": 2, "b": 2}), _episode(2, {"a": 3, "<scripted>": None})]
+    learners = {"a": 3, "b": 3}
+    found = usable_actions(episodes, learners, {"a": 0, "b": 1})
+    # a's bound is 0: episode 0 has a fresh but partner b one behind; episode 1 a is one behind; the scripted
+    # player has no version and is never stale
+    assert found.keep["a"] == [False, False, True]
+    assert found.keep["b"] == [True, True]
+    assert found.staleness["a"] == [0, 1, 0] and found.partners["a"] == 1 and found.partners["b"] == 1
+    metrics = found.metrics(["a", "b"])
+    assert metrics["staleness/a/dropped"] == pytest.approx(2 / 3) and metrics["staleness/a/dropped_actions"] == 2
+    assert metrics["staleness/a/max"] == 1 and metrics["staleness/a/mean"] == pytest.approx(1 / 3)
+    assert metrics["staleness/b/dropped"] == 0 and metrics["staleness/b/max"] == 1
+    assert episodes[0].policy_versions() == {"a": 3, "b": 2}
+
+
+@pytest.mark.fast
+def test_overlap_and_idle_time_are_measured_from_the_calls():
+    calls = [("a", "generate", 0.0, 4.0), ("b", "update", 2.0, 6.0), ("b", "generate", 7.0, 8.0)]
+    out = timing_metrics(calls, (1.0, 9.0), ["a", "b"])
+    assert out["time/overlap"] == pytest.approx(2.0)  # 2..4
+    assert out["time/idle/a"] == pytest.approx(5.0) and out["time/idle/b"] == pytest.approx(3.0)
+
+
+@pytest.mark.fast
+def test_a_resume_with_a_shorter_lag_plays_again_the_rollouts_it_does_not_keep():
+    records = [{"step": s, "data_before": {"epoch": 0, "index": s}, "episodes_before": 4 * s} for s in (5, 6, 7)]
+    kept, replay = pipeline.kept_rollouts(records, 5, 2)
+    assert [r["step"] for r in kept] == [5, 6] and replay["step"] == 7
+    assert pipeline.kept_rollouts(records, 5, 3) == (records, None)
+
+
+@pytest.mark.fast
+def test_an_agents_bound_above_the_runs_is_refused():
+    raw = config(train={"max_staleness": 1})
+    raw["agents"]["b"]["rollout"] = {"max_staleness": 2}
+    with pytest.raises(ConfigError, match=r"agents\.b\.rollout\.max_staleness: 2 is above train\.max_staleness 1, "
+                                          r"which sets how far rollouts run ahead"):
+        validate_config(raw)
+
+
+# --------------------------------------------------------------------------------- on the tiny model
+def _run(raw, run_dir=None, rollouts=None) -> list[dict]:
+    with Coordinator(validate_config(raw), run_dir) as coord:
+        if rollouts is not None:
+            coord._rollouts = lambda: rollouts(coord)
+        return coord.run()
+
+
+def test_k_zero_through_the_pipeline_gives_the_synchronous_loops_metrics_bit_for_bit():
+    """The synchronous loop (K = 0) against the asynchronous pipeline held to lag 0: same episodes, same updates."""
+    raw = config(turns=2, train={"steps": 3})
+    sync = _run(raw)
+    piped = _run(raw, rollouts=lambda coord: pipeline.AsyncRollouts(coord, 0))
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "staleness/"))} for r in rows]
+    assert strip(piped) == strip(sync)
+    assert all(r["staleness/a/max"] == 0 and r["staleness/b/partners_max"] == 0 for r in piped)
+    assert not any(k.startswith("staleness/") for r in sync for k in r)  # K = 0 logs what it always did
+
+
+@pytest.mark.parametrize("kind,expected", [("simultaneous", [0, 1, 1, 1]), ("alternate", [0, 0, 1, 1])])
+def test_actions_are_at_most_k_versions_behind_and_the_planned_version_drew_them(kind, expected):
+    """Every generate names the version planned for it and the trainer refuses another; staleness follows the
+    schedule: one version behind from step 2 under simultaneous, from step 3 under alternate (lag 2)."""
+    history = _run(config(turns=2, train={"steps": 4, "max_staleness": 1}, schedule={"kind": kind}))
+    behind = [max(r[k] for k in r if k.startswith("staleness/") and k.endswith("/max")) for r in history]
+    assert behind == expected
+    assert all(r[k] == 0 for r in history for k in r if k.endswith("/dropped_actions"))
+    assert all(r[k] <= 1 for r in history for k in r if k.endswith("/partners_max"))
+
+
+def test_an_agent_with_a_tighter_bound_drops_actions_whose_partner_is_stale():
+    """Alternate with K = 1 plays two steps ahead; b accepts nothing stale: at step 2 its own actions are fresh
+    but a, who trained at step 1, is one version ahead of the episode's a, so b's update drops them all."""
+    raw = config(turns=2, train={"steps": 2, "max_staleness": 1}, schedule={"kind": "alternate"})
+    raw["agents"]["b"]["rollout"] = {"max_staleness": 0}
+    history = _run(raw)
+    second = history[1]
+    assert second["staleness/b/max"] == 0 and second["staleness/b/partners_max"] == 1
+    assert second["staleness/b/dropped"] == 1.0 and second["trained"] == []
+
+
+def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
+    """K = 1: the checkpoint after step 2 holds the rollout of step 3, played with weights it no longer has; the
+    coordinator is SIGKILLed, resumed, and ends with the metrics of a run never interrupted."""
+    raw = config(turns=2, train={"steps": 4, "max_staleness": 1, "checkpoint_every": 1, "keep_checkpoints": 5})
+    uninterrupted = uninterrupted_rows(validate_config(raw), tmp_path / "whole")
+    state = read_checkpoint_state(RunLog(tmp_path / "whole").checkpoints()[2])
+    assert state["step"] == 2 and [r["step"] for r in state["rollouts"]] == [2]
+    assert state["versions"] == {"a": 2, "b": 2}
+    assert {e["turns"][0]["actions"][0]["completion"]["policy_version"] for e in state["rollouts"][0]["episodes"]} == {1}
+    import json
+
+    transcripts = [json.loads(line) for line in (tmp_path / "whole" / "transcripts.jsonl").read_text().splitlines()]
+    for t in transcripts:  # each episode names every agent's version, the one each of its actions carries
+        acted = {a["agent"]: a["policy_version"] for turn in t["turns"] for a in turn["actions"]}
+        assert t["policy_versions"] == acted == dict.fromkeys(("a", "b"), max(0, t["step"] - 2))
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*MARSI, "run", str(write(tmp_path, raw)), "--run-dir", str(run_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < 2:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(rows(run_dir)) < 4
+    out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert without_times(rows(run_dir)) == uninterrupted
+
+
+def test_an_async_run_whose_trainer_dies_restarts_and_ends_as_if_uninterrupted(ray_cluster, tmp_path):
+    raw = config(turns=2, train={"steps": 4, "max_staleness": 1, "checkpoint_every": 1, "keep_checkpoints": 5})
+    uninterrupted = uninterrupted_rows(validate_config(raw), tmp_path / "whole")
+    raw["ray"]["enabled"] = True
+    with Coordinator(validate_config(raw), tmp_path / "run") as coord:
+        victim = coord.pool.info()["b"]["pid"]
+        run_killing(coord, victim, at_step=2)
+        assert coord.restarts == 1
+    assert without_times(rows(tmp_path / "run")) == uninterrupted
+
+
+@pytest.mark.fast
+def test_a_separate_engine_needs_ray_the_hf_engine_and_a_full_model_agent_of_its_own():
+    raw = config(train={"max_staleness": 1})
+    raw["agents"]["a"]["rollout"] = {"placement": "separate"}
+    with pytest.raises(ConfigError, match=r"agents\.a\.rollout\.placement: separate runs the engine in a process of "
+                                          r"its own, which needs Ray, but ray\.enabled is false"):
+        validate_config(raw)
+    raw["ray"]["enabled"] = True
+    raw["agents"]["a"]["rollout"] = {"placement": "separate", "engine": "vllm"}
+    with pytest.raises(ConfigError, match=r"is built for the hf engine \(got 'vllm'\)"):
+        validate_config(raw)
+    raw["agents"]["a"]["rollout"] = {"resources": {"num_cpus": 0.5}}
+    with pytest.raises(ConfigError, match=r"agents\.a\.rollout\.resources: engine resources are given but "
+                                          r"agents\.a\.rollout\.placement is 'colocated'"):
+        validate_config(raw)
+
+
+def _placed(placement: str) -> dict:
+    raw = config(turns=2, ray=True, train={"steps": 4, "max_staleness": 1},
+                 eval={"data": {"factory": f"{ENVS}:held_out"}, "every": 1})  # evaluations between planned versions
+    for spec in raw["agents"].values():
+        spec["rollout"] = {"placement": placement, **({"resources": {"num_cpus": 0.5}} if placement == "separate" else {})}
+    return raw
+
+
+def test_a_separate_engine_samples_in_its_own_process_the_version_its_learner_published(ray_cluster):
+    """The engines of their own take each planned version from the object store: on the tiny model (float32) the
+    run's metrics equal those of engines in the learners' processes, update for update, with K = 1."""
+    runs = {}
+    for placement in ("colocated", "separate"):
+        with Coordinator(validate_config(_placed(placement)), None) as coord:
+            info = coord.pool.info()
+            runs[placement] = coord.run() + [coord.evaluate()]
+        if placement == "separate":
+            assert all(i["rollout_engine"]["pid"] != i["pid"] for i in info.values())
+            assert coord.lag == 1
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    assert strip(runs["separate"]) == strip(runs["colocated"])
+    assert [r["staleness/a/max"] for r in runs["separate"][:-1]] == [0, 1, 1, 1]
+
+
+def test_validate_says_how_far_ahead_rollouts_run(tmp_path):
+    from tests.runs import marsi
+
+    raw = config(turns=2, train={"max_staleness": 1}, schedule={"kind": "alternate"})
+    out = marsi("validate", write(tmp_path, raw), "--steps", "1")
+    assert out.returncode == 0, out.stderr
+    assert ("asynchronous rollouts: train.max_staleness 1; each step's episodes are played 2 step(s) ahead, while "
+            "earlier steps update; rollout engines of their own: none") in out.stdout
