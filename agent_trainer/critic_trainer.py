@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from agent_trainer import losses
 from agent_trainer.models import load_model
@@ -171,9 +172,11 @@ class CriticTrainer:
         """What `save` wrote, in place; an own LM saved before its first update comes from `critic.model`."""
         path = Path(path)
         if self.lm is not None:
-            source = path / MODEL_DIR if (path / MODEL_DIR).is_dir() else self.config.model
             with torch.random.fork_rng(devices=[]):
-                lm, _ = load_model(str(source), dtype="float32", device=self.device)
+                if (path / MODEL_DIR).is_dir():
+                    lm = AutoModelForCausalLM.from_pretrained(path / MODEL_DIR, dtype=torch.float32)
+                else:
+                    lm, _ = load_model(self.config.model, dtype="float32")
             self.lm.load_state_dict(lm.state_dict())
         self.head.load_state_dict(torch.load(path / HEAD_FILE, weights_only=True))
         state = torch.load(path / STATE_FILE, weights_only=False)
