@@ -170,7 +170,8 @@ class _TrainerActor:
                   "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
         if self.host is None:
             return {"": {**common, "device": None, "engine": None}}
-        return {name: {**common, "host": self.host.name, "device": str(t.device), "engine": getattr(t.engine, "name", None),
+        return {name: {**common, "host": self.host.name, "device": str(t.device),
+                       "engine": getattr(t.engine, "name", None),
                        "load_s": t.load_seconds, "precision": t.precision._asdict()}
                 for name, t in self.host.trainers.items()}
 

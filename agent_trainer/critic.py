@@ -15,9 +15,9 @@ does to a critic's:
 - **Served.** `Critic` below is what a host serves for it: `values` and `update` are its own methods, each
   declaring its dispatch (`@register`), and save, load, probe and digest come from `agent.Served`, the
   methods every kind answers alike. A pool reaches it by name like an agent: `pool.each(Critic.values, ...)`.
-- **Checkpointed and restored.** `critic_trainer.CriticTrainer.save(path)` / `load(path)` write and read its files in its
-  directory of a checkpoint (`agents/critic` or `agents/critic-NAME`), through the same store as an agent's;
-  the coordinator saves and loads critics with the agents (`Coordinator.members`).
+- **Checkpointed and restored.** `critic_trainer.CriticTrainer.save(path)` / `load(path)` write and read
+  its files in its directory of a checkpoint (`agents/critic` or `agents/critic-NAME`), through the same
+  store as an agent's; the coordinator saves and loads critics with the agents (`Coordinator.members`).
 - **Restarted.** A critic lives in a host like any agent, so a dead host is restarted with the rest and the
   critic reloaded from the last checkpoint.
 
