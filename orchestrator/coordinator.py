@@ -302,7 +302,8 @@ class Coordinator:
         self._seconds["critic"] += time.perf_counter() - start
         return results
 
-    def advantages(self, episodes: list[rollout.Episode]) -> tuple[dict[str, list[Experience]], dict[str, list[ValueTarget]]]:
+    def advantages(self, episodes: list[rollout.Episode]
+                   ) -> tuple[dict[str, list[Experience]], dict[str, list[ValueTarget]]]:
         """Each agent's experiences, and each critic's value targets (none without a critic): group or EMA
         baselines (`orchestrator.advantages`), or the critics' values and GAE (`orchestrator.credit`)."""
         if self.credit is not None:
@@ -488,7 +489,8 @@ class Coordinator:
                     episodes = self.play(samples)
                     # advantages
                     experiences, value_targets = self.advantages(episodes)
-                    # update: the scheduled agents only; the others' experiences are dropped (on-policy); critics every step
+                    # update: the scheduled agents only (the others' experiences are dropped: on-policy); critics
+                    # every step
                     scheduled = self.schedule.training_agents(self.state.step)
                     training = [a for a in scheduled if a in experiences]
                     results = self.train({a: experiences[a] for a in training})
@@ -651,7 +653,8 @@ def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, 
         metrics[f"time/sync/{agent}"] = r.sync_seconds
     generate_s, update_s = seconds.get("generate", 0.0), seconds.get("update", 0.0)
     metrics.update({"time/step": step_seconds, "time/generate": generate_s, "time/update": update_s,
-                    "time/coordinator": step_seconds - generate_s - update_s - seconds.get("critic", 0.0), "time/end": time.time()})
+                    "time/coordinator": step_seconds - generate_s - update_s - seconds.get("critic", 0.0),
+                    "time/end": time.time()})
     return metrics
 
 

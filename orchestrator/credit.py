@@ -43,7 +43,8 @@ def critic_state(episode: Episode, turn: int, role: str, agent: str, central: bo
     for past in episode.turns[:turn]:
         for action in past.actions:
             if central or action.agent == agent:
-                lines += [f"[{action.role}] {prompt_text(action.prompt)}", f"[{action.role}] > {action.completion.text}"]
+                lines += [f"[{action.role}] {prompt_text(action.prompt)}",
+                          f"[{action.role}] > {action.completion.text}"]
     if turn < len(episode.turns):
         now = {a.role: a.prompt for a in episode.turns[turn].actions}
     else:
