@@ -1,7 +1,8 @@
 """Critic against group baselines on a sparse multi-turn task, and on the demo.
 
-    python benchmarks/critic_credit.py [--task turns|demo] [--seeds 10] [--steps 150] [--methods group,per_agent,central]
-        [--out FILE.json]
+    python benchmarks/critic_credit.py [--task turns|demo] [--seeds 10] [--steps 150]
+        [--methods group,per_agent,central] [--out FILE.json]
+    python benchmarks/critic_credit.py --summarise FILE.json [--window 20]   # the summary of a (partial) --out
 
 `--task turns` (default): `critic_credit_env.TakeTurnsEnv`, two tiny agents taking turns for 4 turns with the
 whole reward on the last turn. `--task demo`: examples/demo/config.yaml as it is (two turns, reward on each).
@@ -79,7 +80,8 @@ def one_run(task: str, method: str, seed: int, steps: int) -> dict:
         raw["algorithm"]["baseline"] = "critic"
         raw["critic"] = {"kind": method, "model": "builtin:tiny", "num_iterations": 1, "optimizer": {"lr": 1.0e-3}}
     began = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp, Coordinator(validate_config(raw, source=ROOT / "run.yaml"), tmp) as coord:
+    config = validate_config(raw, source=ROOT / "run.yaml")
+    with tempfile.TemporaryDirectory() as tmp, Coordinator(config, tmp) as coord:
         history = coord.run()
     return {"task": task, "method": method, "seed": seed, "seconds": time.perf_counter() - began,
             "critic_seconds": sum(m.get("time/critic", 0.0) for m in history),
@@ -103,10 +105,18 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=20)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--summarise", default=None, metavar="FILE.json")
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(one_run(args.task, args.one[0], int(args.one[1]), args.steps)))
+        return
+    if args.summarise:
+        runs = json.loads(Path(args.summarise).read_text())["runs"]
+        methods = list(dict.fromkeys(r["method"] for r in runs))
+        for r in runs:
+            r["final"] = statistics.fmean(r["rewards"][-args.window:])
+        summarise(runs, methods, curves=True)
         return
     methods = args.methods.split(",")
     runs = []
@@ -121,24 +131,43 @@ def main() -> None:
                   f"(critic {run['critic_seconds']:.0f} s)  peak RSS {run['peak_rss_mb']:.0f} MB", flush=True)
             if args.out:
                 Path(args.out).write_text(json.dumps({"runs": runs}, indent=1))
+    summary = summarise(runs, methods)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary, "args": vars(args)}, indent=1))
+
+
+def summarise(runs: list[dict], methods: list[str], curves: bool = False) -> dict:
+    """Per method: the mean final reward over the seeds every method finished, its 95% interval, the mean seconds,
+    critic seconds and peak memory of a run, and (critic methods) the paired difference from group."""
     summary = {}
-    done = sorted({r["seed"] for r in runs})
+    done = sorted(s for s in {r["seed"] for r in runs} if all(any(r["seed"] == s and r["method"] == m for r in runs)
+                                                                for m in methods))
+    runs = [r for r in runs if r["seed"] in done]
     for method in methods:
         mine = {r["seed"]: r for r in runs if r["method"] == method}
         mean, half = interval([mine[s]["final"] for s in done])
-        summary[method] = {"final": mean, "ci95": half, "seconds": statistics.fmean(r["seconds"] for r in mine.values()),
+        summary[method] = {"final": mean, "ci95": half,
+                           "seconds": statistics.fmean(r["seconds"] for r in mine.values()),
                            "critic_seconds": statistics.fmean(r["critic_seconds"] for r in mine.values()),
                            "peak_rss_mb": statistics.fmean(r["peak_rss_mb"] for r in mine.values())}
-        line = (f"{method:9s} final reward {mean:.3f} +- {half:.3f} over {len(done)} seeds; {summary[method]['seconds']:.0f} s "
-                f"a run (critic {summary[method]['critic_seconds']:.0f} s), peak RSS {summary[method]['peak_rss_mb']:.0f} MB")
+        mine_s = summary[method]
+        line = (f"{method:9s} final reward {mean:.3f} +- {half:.3f} over {len(done)} seeds; {mine_s['seconds']:.0f} s "
+                f"a run (critic {mine_s['critic_seconds']:.0f} s), peak RSS {mine_s['peak_rss_mb']:.0f} MB")
         if method != "group" and "group" in methods:
             base = {r["seed"]: r for r in runs if r["method"] == "group"}
             diff, dhalf = interval([mine[s]["final"] - base[s]["final"] for s in done])
             summary[method]["minus_group"], summary[method]["minus_group_ci95"] = diff, dhalf
             line += f"; minus group {diff:+.3f} +- {dhalf:.3f} (paired)"
         print(line)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary, "args": vars(args)}, indent=1))
+    if curves:
+        steps = len(runs[0]["rewards"])
+        edges = [round(steps * k / 10) for k in range(11)]
+        print("mean reward per tenth of the run: " + ", ".join(f"{a + 1}-{b}" for a, b in zip(edges, edges[1:])))
+        for method in methods:
+            mine = [r["rewards"] for r in runs if r["method"] == method]
+            tenths = [statistics.fmean(x for rw in mine for x in rw[a:b]) for a, b in zip(edges, edges[1:])]
+            print(f"{method:9s} " + " ".join(f"{t:.3f}" for t in tenths))
+    return summary
 
 
 if __name__ == "__main__":
