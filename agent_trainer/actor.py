@@ -25,8 +25,8 @@ from agent_trainer import reaper
 from agent_trainer.agent import Agent
 from agent_trainer.dispatch import WorkersDisagree, dispatch_of
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool, TrainerStartError
-from protocols.config import RayConfig, RunConfig, host_layout, label_matches
-from protocols.errors import UserError, describe, one_line
+from protocols.config import RayConfig, RunConfig, critic_members, host_layout, host_resources, label_matches, member_layout
+from protocols.errors import describe, one_line
 
 
 # Ray logs this on every start of a local cluster (and on joining one when a token file exists): a notice that
@@ -140,8 +140,9 @@ class _TrainerActor:
         self.start_s = time.perf_counter() - started  # imports, the models, the optimizer
 
     def call(self, agent: str, method: str, *args: Any) -> Any:
-        """The `Agent` method named `method` (one that declares its dispatch) for `agent`."""
-        return self.host.call(agent, getattr(Agent, method), *args)
+        """The method named `method` (one that declares its dispatch) of what `agent` is served as: an `Agent`,
+        or a `critic.Critic`."""
+        return self.host.call(agent, getattr(type(self.host.served[agent]), method), *args)
 
     def open_store(self, *, address: str, world_size: int, timeout_s: float) -> int:
         """Worker 0 of a data-parallel agent: open its group's store at `address`; the port."""
@@ -166,7 +167,8 @@ class _TrainerActor:
                   "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
         if self.host is None:
             return {"": {**common, "device": None, "engine": None}}
-        return {name: {**common, "host": self.host.name, "device": str(t.device), "engine": t.engine.name,
+        return {name: {**common, "host": self.host.name, "device": str(t.device),
+                       "engine": getattr(t.engine, "name", None),
                        "load_s": t.load_seconds, "precision": t.precision._asdict()}
                 for name, t in self.host.trainers.items()}
 
@@ -313,10 +315,10 @@ class RayTrainers(TrainerPool):
         problem = cluster_problem(config)
         if problem:  # cannot be placed at all: say so now rather than after placement_timeout_s
             raise PlacementError(problem)
-        layout = host_layout(config)
-        self.agents = list(config.agents)
+        layout = member_layout(config)  # the agents' hosts, and the critics'
+        self.agents = [*config.agents, *critic_members(config)]
         self.call_timeout, self.checkpoint_timeout = config.train.call_timeout_s, config.train.checkpoint_timeout_s
-        resources = {host: config.agents[agents[0]].resources for host, agents in layout.items()}  # a host's agents share it
+        resources = host_resources(config)  # a host's agents share it; a critic's own host asks its own
         runtime_env = trainer_env(config.ray)
         plan = placement_plan(resources, config.ray.placement_strategy)
         requests = [group_request(resources, hosts) for _, hosts in plan]

@@ -4,6 +4,10 @@ Each method is what a handle (`agent_trainer.handle.AgentHandle`) call runs in t
 and declares how it fans out over the agent's data-parallel workers (`agent_trainer.dispatch`). Every call
 runs inside the trainer's `selected` context (an adapter agent's adapter and RNG state in place; nothing
 for a full-model agent). A method added here without `@register` is refused where the class is defined.
+
+`Served` holds what every kind a host serves answers alike (save, load, probe, digest): an agent and a critic
+(`agent_trainer.critic.Critic`, the worked example of a new kind) are checkpointed, restored and checked
+through the same methods.
 """
 
 from __future__ import annotations
@@ -22,21 +26,12 @@ if TYPE_CHECKING:
 
 
 @check_registered
-class Agent:
-    """The trainer of one agent (a full-model `AgentTrainer`, or an `adapters.AdapterTrainer`), served."""
+class Served:
+    """What a host serves of any kind: a trainer with `selected()`, `save(path)`, `load(path)` and
+    `parameters_digest()`, checkpointed through the store (`agent_trainer.storage`)."""
 
-    def __init__(self, trainer: AgentTrainer):
+    def __init__(self, trainer):
         self._trainer = trainer
-
-    @register(Dispatch.ROWS)
-    def generate(self, request: GenerateRequest) -> GenerateResult:
-        with self._trainer.selected():
-            return self._trainer.generate(request)
-
-    @register(Dispatch.ALL_EQUAL)
-    def update(self, request: UpdateRequest) -> UpdateResult:
-        with self._trainer.selected(updating=True):
-            return self._trainer.update(request)
 
     @register(Dispatch.RANK_ZERO)
     def save(self, request: SaveRequest) -> StoredFiles:
@@ -58,6 +53,23 @@ class Agent:
         """SHA-256 of the weights the agent computes with."""
         with self._trainer.selected():
             return self._trainer.parameters_digest()
+
+
+@check_registered
+class Agent(Served):
+    """The trainer of one agent (a full-model `AgentTrainer`, or an `adapters.AdapterTrainer`), served."""
+
+    _trainer: AgentTrainer
+
+    @register(Dispatch.ROWS)
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        with self._trainer.selected():
+            return self._trainer.generate(request)
+
+    @register(Dispatch.ALL_EQUAL)
+    def update(self, request: UpdateRequest) -> UpdateResult:
+        with self._trainer.selected(updating=True):
+            return self._trainer.update(request)
 
     @register(Dispatch.RANK_ZERO)
     def weight_digests(self) -> WeightDigests:

@@ -13,14 +13,14 @@ from typing import Any, Callable
 
 from agent_trainer.dispatch import dispatch_of
 from agent_trainer.handle import TrainerFailure, TrainerPool
-from protocols.config import RunConfig, host_layout
+from protocols.config import RunConfig, critic_members, host_resources, member_layout
 from protocols.errors import describe
 
 
 def placement_problem(config: RunConfig, cpus: float, gpus: float, where: str) -> str | None:
     """Why the hosts' resource requests cannot fit `cpus` and `gpus` in all, and what to lower, or None.
     A host (an agent's own, or one adapter agents share) asks for its per-worker resources once per worker."""
-    asked = {host: config.agents[names[0]].resources for host, names in host_layout(config).items()}
+    asked = host_resources(config)
     for name, agent in config.agents.items():  # a rollout engine of its own asks for its resources too
         if agent.rollout.placement == "separate":
             asked[f"{name} (rollout engine)"] = agent.rollout.resources or agent.resources
@@ -89,10 +89,12 @@ class LocalTrainers(TrainerPool):
         self.set_threads = torch.set_num_threads
         self.lock = threading.Lock()
         return_freed_memory()
-        self.agents = list(config.agents)
-        self.hosts: dict[str, Host] = {}  # agent -> its host
-        self.threads = {name: num_threads(agent.resources.num_cpus) for name, agent in config.agents.items()}
-        for host, names in host_layout(config).items():
+        self.agents = [*config.agents, *critic_members(config)]  # and the critics, served like agents
+        self.hosts: dict[str, Host] = {}  # agent or critic -> its host
+        resources = host_resources(config)
+        self.threads = {name: num_threads(resources[host].num_cpus)
+                        for host, names in member_layout(config).items() for name in names}
+        for host, names in member_layout(config).items():
             self.set_threads(self.threads[names[0]])
             started = Host(host, config, updates)
             self.hosts.update(dict.fromkeys(names, started))
@@ -112,7 +114,7 @@ class LocalTrainers(TrainerPool):
         return results
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:
-        return {name: {"pid": os.getpid(), "device": str(t.device), "engine": t.engine.name,
+        return {name: {"pid": os.getpid(), "device": str(t.device), "engine": getattr(t.engine, "name", None),
                        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "load_s": t.load_seconds,
                        "precision": t.precision._asdict()}
                 for name, t in self.trainers.items()}

@@ -1,6 +1,7 @@
 """Hosts: the process that holds agents. A host holds one full-model agent (`AgentTrainer`), or several
 adapter agents (`adapters.AdapterTrainer`) on one shared base model (`agents.NAME.host`,
-`hosts.NAME.resources`); `protocols.config.host_layout` says which.
+`hosts.NAME.resources`); `protocols.config.host_layout` says which. A critic (`agent_trainer.critic`) lives
+in a host too, its own or an agent's (`protocols.config.member_layout`), started after the host's agents.
 
 `Host` is plain Python: `LocalTrainers` keeps its hosts in this process, and the Ray wrapper
 (`agent_trainer.actor`) puts each in an actor of its own. Either way a call names the agent it is for and an
@@ -15,31 +16,51 @@ from typing import Any, Callable
 
 from agent_trainer import storage
 from agent_trainer.adapters import AdapterTrainer, SharedBase
-from agent_trainer.agent import Agent
+from agent_trainer.agent import Agent, Served
+from agent_trainer.critic import Critic
+from agent_trainer.critic_trainer import CriticTrainer
 from agent_trainer.dispatch import dispatch_of
 from agent_trainer.handle import TrainerStartError
 from agent_trainer.trainer import AgentTrainer
-from protocols.config import RunConfig, host_layout
+from protocols.config import RunConfig, critic_host_agent, critic_members, member_layout
 from protocols.errors import describe
 
 
 class Host:
-    """The trainers of one host's agents; adapter agents among them share one base model."""
+    """The trainers of one host's agents, then its critics; adapter agents among them share one base model."""
 
     def __init__(self, host: str, config: RunConfig, updates: dict[str, int], where: str = "this machine"):
         self.name = host
-        self.agents = host_layout(config)[host]
+        self.agents = member_layout(config)[host]
         indices = {name: i for i, name in enumerate(config.agents)}  # seeds follow the declaration order
-        base = SharedBase() if any(config.agents[a].adapter is not None for a in self.agents) else None
-        self.trainers: dict[str, AgentTrainer] = {}
+        base = SharedBase() if any(config.agents[a].adapter is not None for a in self.agents if a in indices) else None
+        self.trainers: dict[str, Any] = {}
+        self.served: dict[str, Served] = {}
         for name in self.agents:
-            self.trainers[name] = start_trainer(name, config, indices[name], updates[name], where=where, base=base)
-        self.served = {name: Agent(trainer) for name, trainer in self.trainers.items()}
+            if name in indices:
+                self.trainers[name] = start_trainer(name, config, indices[name], updates[name], where=where, base=base)
+                self.served[name] = Agent(self.trainers[name])
+            else:  # a critic: after the agents, whose model a head may sit on
+                self.trainers[name] = start_critic(name, config, self.trainers)
+                self.served[name] = Critic(self.trainers[name])
 
-    def call(self, agent: str, method: Callable, *args: Any) -> Any:
-        """Run `method` (an `Agent` method, which declares its dispatch) for `agent`."""
+    def call(self, member: str, method: Callable, *args: Any) -> Any:
+        """Run `method` (a method of what `member` is served as, which declares its dispatch) for `member`."""
         dispatch_of(method)
-        return method(self.served[agent], *args)
+        return method(self.served[member], *args)
+
+
+def start_critic(name: str, config: RunConfig, trainers: dict[str, Any]):
+    """The trainer of critic `name`, on the model of the agent that hosts it (`critic.model: agent`, an agent
+    of this host) or an LM of its own; any failure becomes a one-line TrainerStartError."""
+    critic = config.critic
+    agent = trainers[critic_host_agent(config, name)] if critic.model == "agent" else None
+    try:
+        return CriticTrainer(name, critic, seed=config.train.seed + 10_000 + list(critic_members(config)).index(name),
+                             total_updates=config.train.steps,
+                             agent=agent)
+    except Exception as exc:
+        raise TrainerStartError(f"critic {name!r} could not start: {describe(exc)}") from exc
 
 
 def missing_model_path(name: str, config: RunConfig, where: str) -> str | None:

@@ -16,6 +16,9 @@ Shapes: B sequences, T completion tokens (padded), V vocabulary.
 - `aggregate_loss`: `token` averages over every completion token of the whole batch (DAPO, Yu et
   al., 2025), normalised by the batch's total tokens so gradient accumulation over micro-batches gives
   the same gradient as one big batch; `sequence` averages per sequence then over sequences (GRPO).
+- `value_loss` is PPO's value loss (Schulman et al., 2017; the clipped form of OpenAI baselines' ppo2):
+  0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) per state, R the lambda-return; without a
+  clip range the plain 0.5 * (V - R)^2.
 - Log-probs and entropies are those of the sampling distribution: the trainer takes them from
   `agent_trainer.sampling.token_logps` (temperature, top-k, top-p; -inf for a cut candidate), whose
   candidate logits go to `entropy_from_logits`.
@@ -74,3 +77,15 @@ def aggregate_loss(per_token_loss: torch.Tensor, completion_mask: torch.Tensor, 
         per_seq = (per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1.0)  # (B,)
         return per_seq.sum() / max(total_sequences, 1.0)
     raise ValueError(f"loss_aggregation must be 'token' or 'sequence', got {mode!r}")
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's value loss per state (B,), and (B,) whether the clipped error was the larger (it then holds the
+    loss). values, old_values, returns: (B,)."""
+    unclipped = (values - returns) ** 2  # (B,)
+    if clip is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    moved = old_values + (values - old_values).clamp(-clip, clip)  # (B,)
+    clipped = (moved - returns) ** 2  # (B,)
+    return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped

@@ -67,7 +67,7 @@ from agent_trainer.models import (
     DTYPES, SOURCE_MARKER, context_problem, fingerprint_difference, load_model, resolve_model_path, source_fingerprint,
 )
 from agent_trainer.workers import SingleWorker
-from protocols.config import AgentConfig, AlgorithmConfig
+from protocols.config import AgentConfig, AlgorithmConfig, OptimizerConfig
 from protocols.errors import UserError
 from protocols.messages import (
     CheckpointInfo, Completion, Experience, GenerateRequest, GenerateResult, Prompt, UpdateRequest, UpdateResult,
@@ -437,15 +437,7 @@ class AgentTrainer:
 
     def _lr_factor(self, step: int) -> float:
         """Multiplier of the base learning rate at update `step` (0-based) of `total_updates`."""
-        opt, total = self.agent.optimizer, self.total_updates
-        if step < opt.warmup_steps:
-            return (step + 1) / (opt.warmup_steps + 1)
-        progress = min(1.0, (step - opt.warmup_steps) / max(1, total - opt.warmup_steps))
-        if opt.lr_schedule == "linear":
-            return 1.0 - progress
-        if opt.lr_schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
+        return lr_factor(self.agent.optimizer, step, self.total_updates)
 
     def _autocast(self):
         """Compute in agent.dtype over float32 master weights (trainable agents); frozen ones hold agent.dtype."""
@@ -463,6 +455,18 @@ class AgentTrainer:
         gen = self.agent.generation
         return sampling.token_logps(logits, batch.completion_ids, batch.temperatures.view(-1, 1, 1), gen.top_k,
                                     gen.top_p)
+
+
+def lr_factor(opt: OptimizerConfig, step: int, total: int) -> float:
+    """Multiplier of `opt.lr` at update `step` (0-based) of `total`: warm-up, then the schedule's decay."""
+    if step < opt.warmup_steps:
+        return (step + 1) / (opt.warmup_steps + 1)
+    progress = min(1.0, (step - opt.warmup_steps) / max(1, total - opt.warmup_steps))
+    if opt.lr_schedule == "linear":
+        return 1.0 - progress
+    if opt.lr_schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0
 
 
 def weights_digest(named: dict[str, torch.Tensor]) -> str:

@@ -21,6 +21,11 @@ names the wider pools.
   batch, then b <- decay**n * b + (1 - decay**n) * mean(returns): the weight n sequential updates leave
   on the old b, the batch's returns weighted equally, so episode order never matters.
 - `discounted_returns`: G_t = r_t + discount * G_{t+1}, per role over an episode's turns.
+- `gae` is generalised advantage estimation (Schulman et al., 2016) over one (agent, role)'s decisions of an
+  episode, for `algorithm.baseline: critic` (`orchestrator.credit`). Departure: decisions may be turns
+  apart (roles that take turns), so decision k's reward is the discounted sum of the turn rewards up to the
+  next decision (`decision_rewards`) and its next value is discounted by discount**gap, gap the turns
+  between them (a semi-MDP); lambda weighs decisions, not turns. With every gap 1 it is PPO's GAE.
 """
 
 from __future__ import annotations
@@ -134,3 +139,37 @@ def discounted_returns(rewards: list[float], discount: float) -> list[float]:
         running = rewards[t] + discount * running
         out[t] = running
     return out
+
+
+def decision_rewards(rewards: list[float], turns: list[int], discount: float) -> tuple[list[float], list[int]]:
+    """For decisions taken at `turns` (0-based, increasing) of an episode with per-turn `rewards`: each
+    decision's reward (the rewards from its turn up to the next decision's, discounted per turn) and its
+    gap (turns to the next decision, or to the episode's end)."""
+    ends = [*turns[1:], len(rewards)]
+    out = [sum(discount ** (j - t) * rewards[j] for j in range(t, end)) for t, end in zip(turns, ends)]
+    return out, [end - t for t, end in zip(turns, ends)]
+
+
+def gae(rewards: list[float], values: list[float], gaps: list[int], discount: float, lam: float,
+        last_value: float) -> tuple[list[float], list[float]]:
+    """GAE advantages and lambda-returns (advantage + value) of one chain of decisions. `values[k]`: the critic's
+    value before decision k; `last_value`: its value after the chain's last turn, 0 when the episode
+    terminated (a truncated one is bootstrapped). A_k = delta_k + (discount**gap_k * lam) * A_{k+1} with
+    delta_k = r_k + discount**gap_k * V_{k+1} - V_k."""
+    advantages, running, next_value = [0.0] * len(rewards), 0.0, last_value
+    for k in reversed(range(len(rewards))):
+        step = discount ** gaps[k]
+        delta = rewards[k] + step * next_value - values[k]
+        running = delta + step * lam * running
+        advantages[k], next_value = running, values[k]
+    return advantages, [a + v for a, v in zip(advantages, values)]
+
+
+def normalised_per_agent(advantages: Sequence[float], agents: Sequence[str], eps: float = 1e-4) -> list[float]:
+    """Each advantage minus its agent's mean over the batch, divided by that agent's population std (+ eps)."""
+    members: dict[str, list[float]] = defaultdict(list)
+    for a, agent in zip(advantages, agents, strict=True):
+        members[agent].append(a)
+    mean = {g: sum(v) / len(v) for g, v in members.items()}
+    std = {g: math.sqrt(sum((x - mean[g]) ** 2 for x in v) / len(v)) for g, v in members.items()}
+    return [(a - mean[g]) / (std[g] + eps) for a, g in zip(advantages, agents)]

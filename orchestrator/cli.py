@@ -242,7 +242,7 @@ def cmd_validate(args) -> int:
     from agent_trainer.models import context_problem, model_config
     from orchestrator.coordinator import Coordinator
     from orchestrator.schedule import RoleAssignment, Schedule
-    from protocols.config import ConfigError, host_layout
+    from protocols.config import ConfigError, host_resources, member_layout
 
     config = load_config(args.config, args.overrides)
     coordinator = Coordinator(config)  # constructs the environment and checks its roles against the seats
@@ -265,16 +265,20 @@ def cmd_validate(args) -> int:
     acting = _acting_roles(coordinator, env)
     print(f"{args.config}: valid. agents: {', '.join(config.agents)}; roles: {', '.join(env.possible_agents)}; "
           f"{per_step} episodes per step, at most {env.max_turns} turns each")
-    layout = host_layout(config)
-    asked = [config.agents[names[0]].resources for names in layout.values()]
+    layout = member_layout(config)  # the agents' hosts and the critics'
+    asked = list(host_resources(config).values())
     where = f"the Ray cluster at {joins} can place them" if joins else (
         "in-process (ray.enabled false)" if not config.ray.enabled else
         "local cluster: {:g} CPUs, {:g} GPUs".format(*local_resources(config)))
     print(f"resources: trainers ask for {sum(r.num_cpus * r.num_workers for r in asked):g} CPUs, "
           f"{sum(r.num_gpus * r.num_workers for r in asked):g} GPUs; {where}")
     for (host, names), r in zip(layout.items(), asked):
-        agents = [f"{n} (adapter r={config.agents[n].adapter.rank})" if config.agents[n].adapter else n for n in names]
-        shared = f", one copy of {config.agents[names[0]].model}" if len(names) > 1 else ""
+        agents = [n if n not in config.agents else f"{n} (adapter r={config.agents[n].adapter.rank})"
+                  if config.agents[n].adapter else n for n in names]
+        agents = [f"{n} (critic, {'a head on the agent' if config.critic.model == 'agent' else config.critic.model})"
+                  if n not in config.agents else n for n in agents]
+        plain = [n for n in names if n in config.agents]
+        shared = f", one copy of {config.agents[plain[0]].model}" if len(plain) > 1 else ""
         workers = f" per worker x {r.num_workers} workers" if r.num_workers > 1 else ""
         print(f"host {host}: {', '.join(agents)}; {r.num_cpus:g} CPUs, {r.num_gpus:g} GPUs{workers}{shared}")
     _print_precision(config, joins)

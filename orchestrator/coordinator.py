@@ -20,12 +20,14 @@ from typing import Any
 
 from agent_trainer import storage
 from agent_trainer.agent import Agent
+from agent_trainer.critic import Critic
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool
 from agent_trainer.precision import emulation_warning
 from agent_trainer.storage import StorageError
 from orchestrator import rollout, runstore
 from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines, zero_variance_shares
 from orchestrator.console import phase, progress
+from orchestrator.credit import CriticCredit
 from orchestrator.data import DataPosition, load_samples
 from orchestrator.evaluation import Evaluation, partner_agents
 from orchestrator.pipeline import AsyncRollouts, SyncRollouts, kept_rollouts
@@ -35,11 +37,11 @@ from orchestrator.runlog import (
 )
 from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
 from orchestrator.staleness import rollout_lag
-from protocols.config import ConfigError, RunConfig, load_config
+from protocols.config import ConfigError, RunConfig, critic_members, load_config
 from protocols.errors import UserError
 from protocols.messages import (
-    Completion, Experience, GenerateRequest, LoadRequest, Location, ProbeRequest, Prompt, SaveRequest, UpdateRequest,
-    UpdateResult, check_experiences,
+    Completion, CriticUpdateRequest, CriticUpdateResult, Experience, GenerateRequest, LoadRequest, Location,
+    ProbeRequest, Prompt, SaveRequest, UpdateRequest, UpdateResult, ValueRequest, ValueTarget, check_experiences,
 )
 
 
@@ -89,6 +91,9 @@ class Coordinator:
         if self.evaluation and (warning := self.evaluation.greedy_copies()):
             say(warning)
         self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat
+        self.critics = critic_members(config)  # critic -> the agents it values (algorithm.baseline: critic)
+        self.members = [*config.agents, *self.critics]  # what a checkpoint holds: every agent and critic
+        self.credit = CriticCredit(config) if self.critics else None
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging, config.train.storage) if run_dir is not None else None
         self.pool: TrainerPool | None = None  # every agent's handle: self.pool[agent]
@@ -183,7 +188,7 @@ class Coordinator:
         does not see the probe writes nothing, so a failed check leaves no file on any node."""
         if self.log is None or not self.config.ray.enabled:
             return
-        agents, token = list(self.config.agents), secrets.token_hex(8)
+        agents, token = list(self.members), secrets.token_hex(8)
         where = self.log.checkpoint_dir()
         self.log.write_probe(token)
         try:
@@ -308,6 +313,30 @@ class Coordinator:
                                f"update {result.policy_version}; that optimizer step was skipped (counted in skipped_steps/{agent})")
         return results
 
+    def values(self, states: dict[str, list[str]]) -> dict[str, list[float]]:
+        """Each critic's values of its states (text), all critics at once."""
+        start = time.perf_counter()
+        requests = {c: ValueRequest(states=s) for c, s in states.items() if s}
+        results = self.pool.each(Critic.values, requests, timeout=self.config.train.call_timeout_s)
+        self._seconds["critic"] += time.perf_counter() - start
+        return {c: results[c].values if c in results else [] for c in states}
+
+    def train_critics(self, targets: dict[str, list[ValueTarget]]) -> dict[str, CriticUpdateResult]:
+        """Update each named critic on its value targets now, all critics at once."""
+        start = time.perf_counter()
+        requests = {c: CriticUpdateRequest(targets=t) for c, t in targets.items() if t}
+        results = self.pool.each(Critic.update, requests, timeout=self.config.train.call_timeout_s)
+        self._seconds["critic"] += time.perf_counter() - start
+        return results
+
+    def advantages(self, episodes: list[rollout.Episode]
+                   ) -> tuple[dict[str, list[Experience]], dict[str, list[ValueTarget]]]:
+        """Each agent's experiences, and each critic's value targets (none without a critic): group or EMA
+        baselines (`orchestrator.advantages`), or the critics' values and GAE (`orchestrator.credit`)."""
+        if self.credit is not None:
+            return self.credit.score(episodes, self.values)
+        return experiences_by_agent(episodes, self.config.algorithm, self.state.baselines), {}
+
     def warn_once(self, agent: str, kind: str, message: str) -> None:
         if (agent, kind) not in self._warned:
             self._warned.add((agent, kind))
@@ -347,7 +376,7 @@ class Coordinator:
         all of them in its manifest."""
         staging = self.log.staging_path(self.state.step)
         try:
-            requests = {a: SaveRequest(target=staging / "agents" / a) for a in self.config.agents}
+            requests = {a: SaveRequest(target=staging / "agents" / a) for a in self.members}
             stored = self.pool.each(Agent.save, requests, timeout=self.config.train.checkpoint_timeout_s)
             files = {f"agents/{a}/{name}": (digest, report.sizes[name])
                      for a, report in stored.items() for name, digest in report.files.items()}
@@ -373,7 +402,7 @@ class Coordinator:
         """Every trainer loads its files of `checkpoint`, each checked against the manifest on its node first;
         why the checkpoint is damaged, or None once all have loaded."""
         requests = {a: LoadRequest(source=checkpoint / "agents" / a, files=agent_files(checkpoint, a))
-                    for a in self.config.agents}
+                    for a in self.members}
         problems = self.pool.each(Agent.load, requests, timeout=self.config.train.checkpoint_timeout_s)
         return next((f"agents/{a}/{p}" for a, p in problems.items() if p), None)
 
@@ -500,8 +529,9 @@ class Coordinator:
                     step = self.state.step
                     episodes, position = rollouts.take(step)
                     # advantages
-                    experiences = experiences_by_agent(episodes, self.config.algorithm, self.state.baselines)
-                    # update: the scheduled agents only, on the actions fresh enough; the others' are dropped
+                    experiences, value_targets = self.advantages(episodes)
+                    # update: the scheduled agents only, on the actions fresh enough (the others' are dropped);
+                    # critics every step
                     scheduled = self.schedule.training_agents(step)
                     usable, staleness = rollouts.usable(step, episodes, {a: experiences[a] for a in scheduled
                                                                          if a in experiences}, scheduled)
@@ -510,9 +540,11 @@ class Coordinator:
                     results = self.train({a: usable[a] for a in training})
                     self.state.versions.update({a: r.policy_version for a, r in results.items()})
                     rollouts.updated(step, training)
+                    critic_results = self.train_critics(value_targets)
                     self.state.step += 1
                     # log
                     metrics = step_metrics(self.state.step, episodes, results, self._seconds, time.perf_counter() - start)
+                    metrics.update(critic_metrics(critic_results, self._seconds))
                     metrics.update(staleness)
                     metrics.update(rollouts.metrics((start, time.perf_counter())))
                     metrics["data/epoch"] = position.epoch + position.index / len(self.samples)
@@ -593,6 +625,10 @@ def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
     if set(config.agents) != set(stored.agents):
         raise ResumeError(f"{log.dir}: a resumed run keeps its agents ({', '.join(stored.agents)}); the overrides make "
                           f"them {', '.join(config.agents)}; start a new run for other agents")
+    kept, given = _critic_label(stored), _critic_label(config)
+    if given != kept:
+        raise ResumeError(f"{log.dir}: a resumed run keeps its critic ({kept}); the overrides make it {given}; start a "
+                          "new run for another critic")
     if config.train.steps < done:
         raise ResumeError(f"train.steps={config.train.steps} is below the {done} steps {log.dir} has done; "
                           f"give train.steps >= {done}")
@@ -614,6 +650,11 @@ def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
                               "cannot load into it; resume with the run's model")
 
 
+def _critic_label(config: RunConfig) -> str:
+    critic = config.critic
+    return f"critic.kind {critic.kind}, critic.model {critic.model}" if critic else "none"
+
+
 @contextlib.contextmanager
 def _saved_model_config(saved: Location):
     """A local directory holding the config.json of a checkpoint's saved model (fetched from the store into
@@ -633,6 +674,18 @@ class RunFailed(RuntimeError):
 
 def say(message: str) -> None:
     print(f"marsi: {message}", file=sys.stderr, flush=True)
+
+
+def critic_metrics(results: dict[str, CriticUpdateResult], seconds: dict[str, float]) -> dict[str, Any]:
+    """Per critic: its value loss, clip fraction, explained variance (before its update), gradient norm; and
+    the seconds the critics took (values and updates)."""
+    metrics: dict[str, Any] = {}
+    for critic, r in sorted(results.items()):
+        for name in ("value_loss", "value_clip_fraction", "explained_variance", "grad_norm", "skipped_steps"):
+            metrics[f"critic/{name}/{critic}"] = getattr(r, name)
+    if results:
+        metrics["time/critic"] = seconds.get("critic", 0.0)
+    return metrics
 
 
 def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, UpdateResult],
@@ -673,7 +726,8 @@ def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, 
         metrics[f"time/sync/{agent}"] = r.sync_seconds
     generate_s, update_s = seconds.get("generate", 0.0), seconds.get("update", 0.0)
     metrics.update({"time/step": step_seconds, "time/generate": generate_s, "time/update": update_s,
-                    "time/coordinator": step_seconds - generate_s - update_s, "time/end": time.time()})
+                    "time/coordinator": step_seconds - generate_s - update_s - seconds.get("critic", 0.0),
+                    "time/end": time.time()})
     return metrics
 
 

@@ -49,6 +49,9 @@ class Episode:
     terminated: bool = False
     truncated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    next_prompts: dict[str, Prompt] = field(default_factory=dict)
+    """Once ended: the prompts the last step returned (a truncated episode's next observations, which a critic
+    values to bootstrap; usually none after a termination)."""
 
     @property
     def done(self) -> bool:
@@ -170,7 +173,7 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
             _check(episode, turn, "step", problem or prompts_problem(result.prompts, episode.env.possible_agents)
                    or (None if isinstance(result.infos, dict) else "infos must be a dict role -> dict"))
             episode.turns.append(Turn(mine, reward, result.infos))
-            episode.prompts = result.prompts
+            episode.prompts = episode.next_prompts = result.prompts
             episode.terminated, episode.truncated = result.terminated, result.truncated
             if not episode.done and not result.prompts:
                 raise EnvironmentFault(f"{_where(episode, turn)}: step returned no prompts but did not "

@@ -156,6 +156,51 @@ class UpdateResult(_Message):
     """Seconds spent after the update putting the new weights into the agent's rollout engine (0 for hf)."""
 
 
+class ValueRequest(_Message):
+    """Inputs for a critic to value (`agent_trainer.critic`): text the coordinator wrote from episodes' turns."""
+
+    states: list[str]
+
+
+class ValueResult(_Message):
+    critic: str
+    values: list[float]
+    """One value per state, in order."""
+    seconds: float
+
+
+class ValueTarget(_Message):
+    """One state a critic learns to value: its input, the value it had at rollout, and the GAE return."""
+
+    state: str
+    old_value: float
+    """The critic's value of `state` when the step's advantages were computed (the clipping anchor)."""
+    target: float
+    """The lambda-return: the GAE advantage plus `old_value`."""
+
+
+class CriticUpdateRequest(_Message):
+    targets: list[ValueTarget]
+
+
+class CriticUpdateResult(_Message):
+    critic: str
+    version: int
+    """The critic's update count after this update."""
+    value_loss: float
+    """Mean over the passes of PPO's value loss, 0.5 * squared error (the larger of clipped and unclipped)."""
+    value_clip_fraction: float
+    """Share of the targets whose clipped error was the larger, mean over the passes."""
+    explained_variance: float
+    """1 - Var(target - old value) / Var(target) over the batch, before the update: 1 is a perfect critic, 0
+    no better than a constant, below 0 worse."""
+    grad_norm: float
+    lr: float
+    num_states: int
+    skipped_steps: int = 0
+    seconds: float
+
+
 class CheckpointInfo(_Message):
     agent: str
     path: str

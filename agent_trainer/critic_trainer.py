@@ -1,0 +1,197 @@
+"""`CriticTrainer`: one critic's value model, optimizer and update count, usable without Ray; what a host
+serves as `agent_trainer.critic.Critic` (the kind's worked example, described there).
+
+Choices (PPO's value function, Schulman et al., 2017, unless said):
+
+- The value model. An own LM (`critic.model`, e.g. `builtin:tiny`): its decoder's last hidden state at the
+  input's last token, through a scalar head; decoder and head train (float32 throughout: a critic is small).
+  `model: agent`: the same head on the hosting agent's own model, read with the agent's adapter and precision
+  in place (`selected`), without gradient: only the head trains. PPO's shared actor-critic trains the trunk
+  on the value loss too; here the agent's update alone moves it, so the critic never changes the policy.
+- The head starts at zero (every first value is 0: the first advantages are the plain discounted returns)
+  and the critic's construction runs in a forked RNG, so a critic never moves its process's random streams:
+  the agents' sampling is the same with or without it. Updates draw no random numbers.
+- The update: `critic.num_iterations` passes over the step's targets in micro-batches, each pass one AdamW
+  step on the mean of `losses.value_loss` (clipped by `critic.value_clip` around the rollout's values), the
+  gradient norm clipped to `critic.optimizer.max_grad_norm`; a pass whose loss or gradient is not finite does
+  not step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from agent_trainer import losses
+from agent_trainer.models import load_model
+from agent_trainer.precision import Precision
+from agent_trainer.trainer import AgentTrainer, lr_factor, refuse_nonfinite, weights_digest
+from protocols.config import CriticConfig
+from protocols.messages import CriticUpdateResult, ValueTarget
+
+HEAD_FILE = "value_head.pt"
+STATE_FILE = "critic_state.pt"
+MODEL_DIR = "model"
+
+
+class CriticTrainer:
+    """One critic's value model, optimizer and update count. `agent`: the trainer of the hosting agent whose
+    model carries the head (`critic.model: agent`); None for a critic with an LM of its own."""
+
+    def __init__(self, name: str, critic: CriticConfig, *, seed: int, total_updates: int,
+                 agent: AgentTrainer | None = None):
+        loading = time.perf_counter()
+        self.name, self.config, self.agent = name, critic, agent
+        self.total_updates, self.version = max(1, total_updates), 0
+        with torch.random.fork_rng(devices=[]):  # a critic never moves its process's random streams
+            torch.manual_seed(seed)
+            if agent is None:
+                self.device = torch.device("cpu")
+                lm, self.tokenizer = load_model(critic.model, dtype="float32", device=self.device)
+                self.decoder = lm.get_decoder()  # the LM without its output head: what the values read
+                self.decoder.eval()  # dropout off, as an agent's update
+                self.lm = lm
+                hidden = lm.config.hidden_size
+            else:
+                self.device, self.tokenizer, self.lm, self.decoder = agent.device, agent.tokenizer, None, None
+                hidden = agent.model.config.hidden_size
+            self.head = torch.nn.Linear(hidden, 1).to(self.device)
+            torch.nn.init.zeros_(self.head.weight)
+            torch.nn.init.zeros_(self.head.bias)
+        self.optimizer = torch.optim.AdamW(self._trainable_parameters(), lr=critic.optimizer.lr,
+                                           betas=critic.optimizer.betas, weight_decay=critic.optimizer.weight_decay)
+        self.precision = Precision("float32", "a critic computes in float32" if agent is None else
+                                   f"a head on agent {agent.name}'s model, in its precision", str(self.device))
+        self.engine = None  # a critic samples nothing
+        self.load_seconds = time.perf_counter() - loading
+
+    # ---------------------------------------------------------------------------------- values
+    def values(self, states: list[str]) -> list[float]:
+        """The value of each state, in order (no gradient)."""
+        out = []
+        with torch.no_grad():
+            for i in range(0, len(states), self.config.micro_batch_size):
+                out += self._values(states[i:i + self.config.micro_batch_size]).tolist()
+        return out
+
+    def _values(self, states: list[str]) -> torch.Tensor:
+        """(B,) values of `states`: the head on the last hidden state at each input's last token."""
+        rows = [self.tokenizer(s).input_ids[-self.config.max_length:] or [self.tokenizer.pad_token_id] for s in states]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):  # right-padded: each row keeps its own positions
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        last = torch.tensor([len(r) - 1 for r in rows], device=self.device)  # (B,)
+        hidden = self._hidden(ids, mask)  # (B, T, H)
+        chosen = hidden[torch.arange(len(rows), device=self.device), last].float()  # (B, H)
+        return self.head(chosen).squeeze(-1)  # (B,)
+
+    def _hidden(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.agent is None:
+            return self.decoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        with self.agent.selected(), self.agent._autocast(), torch.no_grad():  # the agent's model: never trained here
+            return self.agent.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+
+    # ---------------------------------------------------------------------------------- update
+    def update(self, targets: list[ValueTarget]) -> CriticUpdateResult:
+        """`num_iterations` passes of PPO's value loss over `targets`."""
+        start = time.perf_counter()
+        if not targets:
+            raise ValueError(f"critic {self.name!r}: an update needs at least one value target")
+        cfg, opt = self.config, self.config.optimizer
+        lr = opt.lr * lr_factor(opt, self.version, self.total_updates)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        returns = torch.tensor([t.target for t in targets], dtype=torch.float32)  # (N,)
+        old = torch.tensor([t.old_value for t in targets], dtype=torch.float32)  # (N,)
+        variance = float(returns.var(unbiased=False))
+        explained = 1.0 - float((returns - old).var(unbiased=False)) / variance if variance > 0 else 0.0
+        total_loss = total_clipped = 0.0
+        grad_norms, skipped = [], 0
+        parameters = self._trainable_parameters()
+        for _ in range(cfg.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            finite = True
+            for i in range(0, len(targets), cfg.micro_batch_size):
+                batch = slice(i, i + cfg.micro_batch_size)
+                values = self._values([t.state for t in targets[batch]])  # (B,)
+                per_state, clipped = losses.value_loss(values, old[batch].to(self.device),
+                                                       returns[batch].to(self.device), cfg.value_clip)  # (B,), (B,)
+                loss = per_state.sum() / len(targets)  # the whole batch's mean, accumulated over micro-batches
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                total_loss += float(loss.detach())
+                total_clipped += float(clipped.float().sum()) / len(targets)
+            grad_norm = math.nan
+            if finite:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, opt.max_grad_norm or math.inf))
+                finite = math.isfinite(grad_norm)
+                if finite:
+                    self.optimizer.step()
+            skipped += not finite
+            grad_norms.append(grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        n = cfg.num_iterations
+        return CriticUpdateResult(critic=self.name, version=self.version, value_loss=total_loss / n,
+                                  value_clip_fraction=total_clipped / n, explained_variance=explained,
+                                  grad_norm=sum(grad_norms) / n, lr=lr, num_states=len(targets), skipped_steps=skipped,
+                                  seconds=time.perf_counter() - start)
+
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        own = list(self.decoder.parameters()) if self.decoder is not None else []
+        return own + list(self.head.parameters())
+
+    # ------------------------------------------------------------------------------- save/load
+    def save(self, path: str | Path) -> None:
+        """The head (`value_head.pt`), an own LM's weights (HF format under `model/`, once trained) and the
+        optimizer and update count (`critic_state.pt`)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        named = {f"head.{n}": p for n, p in self.head.named_parameters()}
+        if self.lm is not None:
+            named.update(dict(self.lm.named_parameters()))
+        refuse_nonfinite(self.name, "critic", named)
+        torch.save(self.head.state_dict(), path / HEAD_FILE)
+        if self.lm is not None and self.version > 0:  # before its first update the LM is still config.model's
+            self.lm.save_pretrained(path / MODEL_DIR)
+        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, path / STATE_FILE)
+        (path / "critic.json").write_text(json.dumps({"model": self.config.model, "kind": self.config.kind}))
+
+    def load(self, path: str | Path) -> None:
+        """What `save` wrote, in place; an own LM saved before its first update comes from `critic.model`."""
+        path = Path(path)
+        if self.lm is not None:
+            with torch.random.fork_rng(devices=[]):
+                if (path / MODEL_DIR).is_dir():
+                    lm = AutoModelForCausalLM.from_pretrained(path / MODEL_DIR, dtype=torch.float32)
+                else:
+                    lm, _ = load_model(self.config.model, dtype="float32")
+            self.lm.load_state_dict(lm.state_dict())
+        self.head.load_state_dict(torch.load(path / HEAD_FILE, weights_only=True))
+        state = torch.load(path / STATE_FILE, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+
+    def parameters_digest(self) -> str:
+        named = {f"head.{n}": p for n, p in self.head.named_parameters()}
+        if self.lm is not None:
+            named.update(dict(self.lm.named_parameters()))
+        return weights_digest(named)
+
+    def selected(self, *, updating: bool = False):
+        """Nothing to switch: a head on an agent's model selects that agent's adapter itself (`_hidden`)."""
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
