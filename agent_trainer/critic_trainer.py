@@ -168,8 +168,9 @@ class CriticTrainer:
         torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, path / STATE_FILE)
         (path / "critic.json").write_text(json.dumps({"model": self.config.model, "kind": self.config.kind}))
 
-    def load(self, path: str | Path) -> None:
-        """What `save` wrote, in place; an own LM saved before its first update comes from `critic.model`."""
+    def load(self, path: str | Path, *, checkpoint: str | None = None) -> None:
+        """What `save` wrote, in place; an own LM saved before its first update comes from `critic.model`.
+        `checkpoint` (how an agent's load names the checkpoint in its messages) is taken for the same call."""
         path = Path(path)
         if self.lm is not None:
             with torch.random.fork_rng(devices=[]):
