@@ -233,6 +233,14 @@ def _check_cluster(config, address: str) -> None:
         raise PlacementError(problem)
 
 
+def _member_label(config, name: str) -> str:
+    """How `marsi validate` names an agent or critic in its host's line."""
+    if name not in config.agents:
+        return f"{name} (critic, {'a head on the agent' if config.critic.model == 'agent' else config.critic.model})"
+    adapter = config.agents[name].adapter
+    return f"{name} (adapter r={adapter.rank})" if adapter else name
+
+
 def cmd_validate(args) -> int:
     """Everything that can be checked without the weights: config, environment roles and seats, each model's
     context, resources (against the Ray cluster marsi would join, where there is one: custom resources, GPU types,
@@ -273,10 +281,7 @@ def cmd_validate(args) -> int:
     print(f"resources: trainers ask for {sum(r.num_cpus * r.num_workers for r in asked):g} CPUs, "
           f"{sum(r.num_gpus * r.num_workers for r in asked):g} GPUs; {where}")
     for (host, names), r in zip(layout.items(), asked):
-        agents = [n if n not in config.agents else f"{n} (adapter r={config.agents[n].adapter.rank})"
-                  if config.agents[n].adapter else n for n in names]
-        agents = [f"{n} (critic, {'a head on the agent' if config.critic.model == 'agent' else config.critic.model})"
-                  if n not in config.agents else n for n in agents]
+        agents = [_member_label(config, n) for n in names]
         plain = [n for n in names if n in config.agents]
         shared = f", one copy of {config.agents[plain[0]].model}" if len(plain) > 1 else ""
         workers = f" per worker x {r.num_workers} workers" if r.num_workers > 1 else ""
