@@ -36,6 +36,17 @@ def without_times(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
 
 
+def sigkill_a_run_after(config_path: Path, run_dir: Path, steps: int = 2) -> None:
+    """`marsi run` in a child process, SIGKILLed once its metrics hold `steps` rows."""
+    proc = subprocess.Popen([*MARSI, "run", str(config_path), "--run-dir", str(run_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < steps:
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
 def run_killing(coord, pid: int, at_step: int) -> list[dict]:
     """`coord.run()` while another thread SIGKILLs process `pid` once the run has done `at_step` steps."""
     def kill_mid_run():

@@ -13,7 +13,7 @@ from orchestrator.coordinator import Coordinator, RunFailed
 from orchestrator.runlog import RunLog, checkpoint_problem
 from protocols.config import validate_config
 from tests.envs import config
-from tests.runs import MARSI, rows, without_times, write, run_killing, uninterrupted_rows
+from tests.runs import MARSI, sigkill_a_run_after, rows, without_times, write, run_killing, uninterrupted_rows
 
 STEPS = 4
 
@@ -54,13 +54,7 @@ def test_hung_trainer_is_reported_and_restarts_are_limited(tmp_path):
 
 def test_sigkilled_coordinator_resumes_to_the_same_metrics(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([*MARSI, "run", str(write(tmp_path, raw_config())), "--run-dir", str(run_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < 2:
-        assert proc.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    sigkill_a_run_after(write(tmp_path, raw_config()), run_dir)
     assert len(rows(run_dir)) < STEPS
     out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

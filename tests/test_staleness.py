@@ -3,9 +3,7 @@ the policy versions actions carry, K = 0 as the synchronous loop, and exact resu
 
 from __future__ import annotations
 
-import signal
 import subprocess
-import time
 
 import pytest
 
@@ -18,7 +16,7 @@ from orchestrator.staleness import rollout_lag, timing_metrics, usable_actions, 
 from protocols.config import ConfigError, ScheduleConfig, validate_config
 from protocols.messages import Completion
 from tests.envs import HERE, config
-from tests.runs import MARSI, rows, run_killing, uninterrupted_rows, without_times, write
+from tests.runs import MARSI, sigkill_a_run_after, rows, run_killing, uninterrupted_rows, without_times, write
 
 
 ENVS = HERE / "envs.py"
@@ -156,13 +154,7 @@ def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
         assert t["policy_versions"] == acted == dict.fromkeys(("a", "b"), max(0, t["step"] - 2))
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([*MARSI, "run", str(write(tmp_path, raw)), "--run-dir", str(run_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while not (run_dir / "metrics.jsonl").exists() or len(rows(run_dir)) < 2:
-        assert proc.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    sigkill_a_run_after(write(tmp_path, raw), run_dir)
     assert len(rows(run_dir)) < 4
     out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
