@@ -225,7 +225,7 @@ class AgentTrainer:
             for i in range(0, len(experiences), mb):
                 batch = _collate(experiences[i:i + mb], self.tokenizer.pad_token_id, self.agent.generation.temperature,
                                  self.device)
-                completion_ids, completion_mask, behaviour = batch.completion_ids, batch.completion_mask, batch.behaviour
+                completion_mask, behaviour = batch.completion_mask, batch.behaviour
                 per_token_logps, candidate_logits = self._token_logps(self.model, batch)  # (B, T), (B, T, K)
                 if iteration == 0 and behaviour is not None:
                     gap = (per_token_logps.detach() - behaviour).abs() * completion_mask  # (B, T)

@@ -118,10 +118,8 @@ def run(args, seed: int) -> dict:
         run_dir = Path(args.keep) / f"{args.setting}-seed{seed}" if args.keep else Path(tmp) / "run"
         config = config_for(args, seed, str(run_dir))
         with Coordinator(config, run_dir=run_dir) as coord:
-            evaluations, play = [], coord.evaluation.run
-            coord.evaluation.run = lambda *a: evaluations.append(play(*a)) or evaluations[-1]  # keep the episodes
             history = coord.run()  # evaluates before the first step and after the last
-    before, after = evaluations[0], evaluations[-1]
+            (_, before), (_, after) = coord.eval_results[0], coord.eval_results[-1]
     rewards = [m["reward/mean"] for m in history]
     gains = {label: compare(before.episodes[label]["reward/mean"], after.episodes[label]["reward/mean"], before.samples)
              for label in after.episodes}  # each setting against itself at the initial weights: the same seeds

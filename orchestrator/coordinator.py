@@ -29,7 +29,7 @@ from orchestrator.advantages import Baselines, experiences_by_agent, saved_basel
 from orchestrator.console import phase, progress
 from orchestrator.credit import CriticCredit
 from orchestrator.data import DataPosition, load_samples
-from orchestrator.evaluation import Evaluation, partner_agents
+from orchestrator.evaluation import EvalResult, Evaluation, partner_agents
 from orchestrator.pipeline import AsyncRollouts, SyncRollouts, kept_rollouts
 from orchestrator.runlog import (
     EVAL_TRANSCRIPTS, CheckpointName, RunDirError, RunLog, agent_files, as_checkpoint, checkpoint_problem,
@@ -91,6 +91,7 @@ class Coordinator:
         if self.evaluation and (warning := self.evaluation.greedy_copies()):
             say(warning)
         self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat
+        self.eval_results: list[tuple[int, EvalResult]] = []  # (step, result) of each evaluation run here, in order
         self.critics = critic_members(config)  # critic -> the agents it values (algorithm.baseline: critic)
         self.members = [*config.agents, *self.critics]  # what a checkpoint holds: every agent and critic
         self.credit = CriticCredit(config) if self.critics else None
@@ -497,6 +498,7 @@ class Coordinator:
         if self.evaluation is None:
             raise ConfigError("evaluate(): the config has no eval: section")
         result = self.evaluation.run(self.generate, self.assignment)
+        self.eval_results.append((self.state.step, result))  # every episode's values: what `compare` pairs
         row = {"step": self.state.step, **result.metrics}
         if self.log is not None:
             self.log.log_metrics(row)

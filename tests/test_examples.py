@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -128,12 +129,15 @@ def test_the_demos_held_out_evaluation_is_wired(tmp_path):
                                                              "train.num_generations=2", "train.progress=false"])
     with Coordinator(config, run_dir=tmp_path / "run") as coord:
         assert {len(s["speaker"]) for s in coord.evaluation.samples} == {6, 7, 8}
-        before = coord.evaluation.run(coord.generate, coord.assignment)
         coord.run()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [row for row in rows if "eval/reward/mean" in row]
     assert [row["step"] for row in evals] == [0, 2] and {row["eval/episodes"] for row in evals} == {128}
+    assert [step for step, _ in coord.eval_results] == [0, 2]  # the episodes behind those rows, kept for `compare`
+    (_, before), (_, after) = coord.eval_results
     assert len(before.episodes[""]["reward/mean"]) == 128 and len(set(before.samples)) == 32
+    assert before.samples == after.samples  # the same held-out episodes at both ends: pairs
+    assert statistics.fmean(after.episodes[""]["reward/mean"]) == pytest.approx(evals[1]["eval/reward/mean"])
     c = compare(before.episodes[""]["reward/mean"], before.episodes[""]["reward/mean"], before.samples)
     assert c["difference"] == 0.0 and c["samples"] == 32
 
