@@ -1,16 +1,19 @@
 """HF vs vLLM rollout engines, side by side in one run, on SmolLM2-135M-Instruct.
 
     python benchmarks/engines.py [--dtypes float32,bfloat16] [--repeats 3] [--threads 1] [--steps 3]
-                                 [--skip-generate] [--skip-steps]
+                                 [--step-tokens 32,128] [--skip-generate] [--skip-steps]
 
 1. Generate: 16 prompts x 128 new tokens (stopping disabled, so every row has 128 tokens) through one
    AgentTrainer per (engine, dtype) in this process, `--threads` torch threads; contenders alternate
    within each repeat (who goes first rotates) and each figure is a median over repeats. Also the
    engine's start-up time and the vLLM engine's behaviour log-prob gap to the learner on those tokens.
 2. Steps: a generation-heavy two-agent config (two SmolLM2 agents in Ray actors with 1 CPU each, 2 x 4
-   episodes of up to 128 tokens per agent and step, both agents train every step), run with each engine
-   in turn: whole seconds per step (median over `--steps` after one warm-up step), its generate / update /
-   sync parts, the time to start the trainers, and each actor's resident memory.
+   episodes per agent and step, both agents train every step), per dtype and per `--step-tokens` new tokens,
+   run with each engine in turn (who goes first alternates): whole seconds per step (median over `--steps`
+   after one warm-up step), its generate / update parts, the learner's own share of the update (`learn`) and the
+   engine's weight sync, the time to start the trainers, and each trainer actor's memory (PSS of its process
+   tree, and peak RSS). The vLLM engine's KV cache is sized to the run (rollout.vllm.kv_cache_sequences). Then
+   the median sync per dtype beside a plain `copy_` of the same weights.
 """
 
 from __future__ import annotations
@@ -100,43 +103,86 @@ def generate_times(args) -> None:
         trainer.close()
 
 
+def plain_copy_seconds(dtype: str, repeats: int = 5) -> float:
+    """What a weight sync cannot beat: a plain `copy_` of every SmolLM2 weight into a preallocated tensor of the
+    same dtype, in this process (median of `repeats`)."""
+    import torch
+
+    from agent_trainer.models import load_model
+
+    model, _ = load_model(MODEL, dtype=dtype)
+    weights = list(model.state_dict().values())
+    buffers = [w.clone() for w in weights]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with torch.no_grad():
+            for b, w in zip(buffers, weights):
+                b.copy_(w)
+        times.append(time.perf_counter() - start)
+    return bc.median(times)
+
+
+def pss_tree_mb(pid: int) -> float:
+    """Proportional set size of a process and all its children, MB (shared pages split between their users)."""
+    import psutil
+
+    process = psutil.Process(pid)
+    return sum(p.memory_full_info().pss for p in [process, *process.children(recursive=True)]) / 1e6
+
+
 def step_times(args) -> None:
     import ray
 
     from orchestrator.coordinator import Coordinator
 
-    results = {}
+    results, copies = {}, {}
     try:
-        for engine in ("hf", "vllm"):
-            config = bc.marsi_config(num_agents=2, model=MODEL, batch_size=2, group=4, tokens=args.tokens,
-                                     lr=1e-6, steps=args.steps + 1, ray=True, num_cpus=1.0, dataset_size=64,
-                                     engine=engine, story=True, vllm={"kv_cache_gb": 0.5, "max_num_seqs": 16})
-            start = time.perf_counter()
-            with Coordinator(config) as coord:
-                start_s = time.perf_counter() - start
-                coord.run(until=1)  # warm-up, untimed
-                history = coord.run()
-                memory = [bc.rss_mb(i["pid"]) for i in coord.pool.info().values()]
-            results[engine] = (start_s, history, memory)
-            print(f"{engine}: {len(history)} steps done", flush=True)
+        for dtype in args.dtypes:
+            copies[dtype] = plain_copy_seconds(dtype)
+            for n, tokens in enumerate(args.step_tokens):
+                engines = ("hf", "vllm") if n % 2 == 0 else ("vllm", "hf")  # who goes first alternates
+                for engine in engines:
+                    config = bc.marsi_config(num_agents=2, model=MODEL, batch_size=2, group=4, tokens=tokens,
+                                             lr=1e-6, steps=args.steps + 1, ray=True, num_cpus=1.0, dataset_size=64,
+                                             engine=engine, story=True, dtype=dtype, vllm={"max_num_seqs": 16})
+                    start = time.perf_counter()
+                    with Coordinator(config) as coord:
+                        start_s = time.perf_counter() - start
+                        coord.run(until=1)  # warm-up, untimed
+                        history = coord.run()
+                        pids = [i["pid"] for i in coord.pool.info().values()]
+                        memory = [(pss_tree_mb(pid), bc.rss_mb(pid)[1]) for pid in pids]
+                    results[dtype, tokens, engine] = (start_s, history, memory)
+                    print(f"{dtype} {tokens} tokens {engine}: {len(history)} steps done ({bc.load_line()})", flush=True)
     finally:
         ray.shutdown()
 
     def med(history, key):
         return bc.median([m[key] for m in history if key in m])
 
-    print(f"\ntwo SmolLM2 agents, 1 CPU each, 2 x 4 episodes of up to {args.tokens} tokens per agent and step, "
-          f"median of {args.steps} steps:")
-    print(f"{'engine':6s} {'s/step':>7s} {'generate':>8s} {'update':>7s} {'sync':>6s} {'tokens/agent':>12s} "
-          f"{'start s':>8s} {'RSS per actor MB now / peak':>30s}")
-    base = med(results["hf"][1], "time/step")
-    for engine, (start_s, history, memory) in results.items():
-        sync = bc.median([statistics.fmean(v for k, v in m.items() if k.startswith("time/sync/")) for m in history])
-        tokens = bc.median([statistics.fmean(m[f"tokens/{a}"] for a in ("a0", "a1")) for m in history])
-        rss = ", ".join(f"{now:.0f} / {peak:.0f}" for now, peak in memory)
-        print(f"{engine:6s} {med(history, 'time/step'):7.2f} {med(history, 'time/generate'):8.2f} "
-              f"{med(history, 'time/update'):7.2f} {sync:6.3f} {tokens:12.0f} {start_s:8.1f} {rss:>30s}")
-    print(f"hf / vllm seconds per step: {base / med(results['vllm'][1], 'time/step'):.2f}")
+    def per_agent(history, kind):  # median over steps of the mean over agents
+        return bc.median([statistics.fmean(v for k, v in m.items() if k.startswith(f"time/{kind}/")) for m in history])
+
+    print(f"\ntwo SmolLM2 agents in Ray actors, 1 CPU each, 2 x 4 episodes per agent and step, both agents train "
+          f"every step, median of {args.steps} steps after one warm-up step; memory: PSS of each trainer actor's "
+          "process tree and its peak RSS, after the last step")
+    print(f"{'dtype':9s} {'tokens':>6s} {'engine':6s} {'s/step':>7s} {'vllm/hf':>7s} {'generate':>8s} {'update':>7s} "
+          f"{'learn':>6s} {'sync':>6s} {'start s':>8s} {'PSS MB a0 + a1':>15s} {'vllm/hf':>7s} {'peak RSS MB':>12s}")
+    for (dtype, tokens, engine), (start_s, history, memory) in sorted(results.items()):
+        hf = results[dtype, tokens, "hf"]
+        step = med(history, "time/step")
+        pss = sum(p for p, _ in memory)
+        sync = per_agent(history, "sync")
+        print(f"{dtype:9s} {tokens:6d} {engine:6s} {step:7.2f} {step / med(hf[1], 'time/step'):7.2f} "
+              f"{med(history, 'time/generate'):8.2f} {med(history, 'time/update'):7.2f} "
+              f"{per_agent(history, 'learn'):6.2f} {sync:6.3f} {start_s:8.1f} {pss:15.0f} "
+              f"{pss / sum(p for p, _ in hf[2]):7.2f} {' / '.join(f'{r:.0f}' for _, r in memory):>12s}")
+    print("\nweight sync per agent (vllm, median) beside a plain copy of the same weights in the driver:")
+    for dtype in args.dtypes:
+        syncs = [per_agent(h, "sync") for (d, _, e), (_, h, _) in results.items() if d == dtype and e == "vllm"]
+        print(f"{dtype:9s} sync {bc.median(syncs):.3f} s, plain copy {copies[dtype]:.3f} s, "
+              f"ratio {bc.median(syncs) / copies[dtype]:.1f}")
 
 
 def main() -> None:
@@ -147,6 +193,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--step-tokens", default="32,128", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--skip-generate", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
     args = parser.parse_args()
