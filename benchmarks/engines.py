@@ -136,6 +136,18 @@ def step_times(args) -> None:
 
     from orchestrator.coordinator import Coordinator
 
+    def med(history, key):
+        return bc.median([m[key] for m in history if key in m])
+
+    def per_agent(history, kind):  # median over steps of the mean over agents
+        return bc.median([statistics.fmean(v for k, v in m.items() if k.startswith(f"time/{kind}/")) for m in history])
+
+    print(f"\ntwo SmolLM2 agents in Ray actors, 1 CPU each, 2 x 4 episodes per agent and step, both agents train "
+          f"every step, median of {args.steps} steps after one warm-up step; memory: PSS of each trainer actor's "
+          "process tree (sum over the two) and each one's peak RSS, after the last step", flush=True)
+    print(f"{'dtype':9s} {'tokens':>6s} {'engine':6s} {'s/step':>7s} {'vllm/hf':>7s} {'generate':>8s} {'update':>7s} "
+          f"{'learn':>6s} {'sync':>6s} {'start s':>8s} {'PSS MB':>7s} {'vllm/hf':>7s} {'peak RSS MB':>12s}  load",
+          flush=True)
     results, copies = {}, {}
     try:
         for dtype in args.dtypes:
@@ -153,36 +165,32 @@ def step_times(args) -> None:
                         history = coord.run()
                         pids = [i["pid"] for i in coord.pool.info().values()]
                         memory = [(pss_tree_mb(pid), bc.rss_mb(pid)[1]) for pid in pids]
-                    results[dtype, tokens, engine] = (start_s, history, memory)
-                    print(f"{dtype} {tokens} tokens {engine}: {len(history)} steps done ({bc.load_line()})", flush=True)
+                    results[dtype, tokens, engine] = history
+                    step, pss = med(history, "time/step"), sum(p for p, _ in memory)
+                    results[dtype, tokens, engine, "step"], results[dtype, tokens, engine, "pss"] = step, pss
+                    other = (dtype, tokens, "hf")
+                    ratio = lambda key, value: (f"{value / results[(*other, key)]:7.2f}"  # noqa: E731
+                                                if (*other, key) in results else f"{'-':>7s}")
+                    print(f"{dtype:9s} {tokens:6d} {engine:6s} {step:7.2f} {ratio('step', step)} "
+                          f"{med(history, 'time/generate'):8.2f} {med(history, 'time/update'):7.2f} "
+                          f"{per_agent(history, 'learn'):6.2f} {per_agent(history, 'sync'):6.3f} {start_s:8.1f} "
+                          f"{pss:7.0f} {ratio('pss', pss)} {' / '.join(f'{r:.0f}' for _, r in memory):>12s}  "
+                          f"{os.getloadavg()[0]:.1f}", flush=True)
     finally:
         ray.shutdown()
-
-    def med(history, key):
-        return bc.median([m[key] for m in history if key in m])
-
-    def per_agent(history, kind):  # median over steps of the mean over agents
-        return bc.median([statistics.fmean(v for k, v in m.items() if k.startswith(f"time/{kind}/")) for m in history])
-
-    print(f"\ntwo SmolLM2 agents in Ray actors, 1 CPU each, 2 x 4 episodes per agent and step, both agents train "
-          f"every step, median of {args.steps} steps after one warm-up step; memory: PSS of each trainer actor's "
-          "process tree and its peak RSS, after the last step")
-    print(f"{'dtype':9s} {'tokens':>6s} {'engine':6s} {'s/step':>7s} {'vllm/hf':>7s} {'generate':>8s} {'update':>7s} "
-          f"{'learn':>6s} {'sync':>6s} {'start s':>8s} {'PSS MB a0 + a1':>15s} {'vllm/hf':>7s} {'peak RSS MB':>12s}")
-    for (dtype, tokens, engine), (start_s, history, memory) in sorted(results.items()):
-        hf = results[dtype, tokens, "hf"]
-        step = med(history, "time/step")
-        pss = sum(p for p, _ in memory)
-        sync = per_agent(history, "sync")
-        print(f"{dtype:9s} {tokens:6d} {engine:6s} {step:7.2f} {step / med(hf[1], 'time/step'):7.2f} "
-              f"{med(history, 'time/generate'):8.2f} {med(history, 'time/update'):7.2f} "
-              f"{per_agent(history, 'learn'):6.2f} {sync:6.3f} {start_s:8.1f} {pss:15.0f} "
-              f"{pss / sum(p for p, _ in hf[2]):7.2f} {' / '.join(f'{r:.0f}' for _, r in memory):>12s}")
-    print("\nweight sync per agent (vllm, median) beside a plain copy of the same weights in the driver:")
+    print("\nweight sync per agent (vllm, median over its runs) beside a plain copy of the same weights in the driver:")
     for dtype in args.dtypes:
-        syncs = [per_agent(h, "sync") for (d, _, e), (_, h, _) in results.items() if d == dtype and e == "vllm"]
-        print(f"{dtype:9s} sync {bc.median(syncs):.3f} s, plain copy {copies[dtype]:.3f} s, "
-              f"ratio {bc.median(syncs) / copies[dtype]:.1f}")
+        syncs = [per_agent(h, "sync") for k, h in results.items() if len(k) == 3 and k[0] == dtype and k[2] == "vllm"]
+        if syncs:
+            print(f"{dtype:9s} sync {bc.median(syncs):.3f} s, plain copy {copies[dtype]:.3f} s, "
+                  f"ratio {bc.median(syncs) / copies[dtype]:.1f}")
+    print("\nvllm / hf, same dtype and tokens, measured one right after the other:")
+    for dtype in args.dtypes:
+        for tokens in args.step_tokens:
+            v, h = (dtype, tokens, "vllm"), (dtype, tokens, "hf")
+            if (*v, "step") in results and (*h, "step") in results:
+                print(f"{dtype:9s} {tokens:4d} tokens: step {results[(*v, 'step')] / results[(*h, 'step')]:.2f}x, "
+                      f"memory (PSS) {results[(*v, 'pss')] / results[(*h, 'pss')]:.2f}x")
 
 
 def main() -> None:
