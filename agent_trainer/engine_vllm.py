@@ -246,7 +246,7 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        self.llm = None
+        self.llm = self._plan = None
 
 
 CUT_KEY = "marsi_cut"
