@@ -1,7 +1,8 @@
 """HF vs vLLM rollout engines, side by side in one run, on SmolLM2-135M-Instruct.
 
     python benchmarks/engines.py [--dtypes float32,bfloat16] [--repeats 3] [--threads 1] [--steps 3]
-                                 [--step-tokens 32,128] [--skip-generate] [--skip-steps]
+                                 [--step-tokens 32,128] [--skip-generate] [--skip-sync]
+                                 [--skip-steps]
 
 1. Generate: 16 prompts x 128 new tokens (stopping disabled, so every row has 128 tokens) through one
    AgentTrainer per (engine, dtype) in this process, `--threads` torch threads; contenders alternate
@@ -12,8 +13,9 @@
    run with each engine in turn (who goes first alternates): whole seconds per step (median over `--steps`
    after one warm-up step), its generate / update parts, the learner's own share of the update (`learn`) and the
    engine's weight sync, the time to start the trainers, and each trainer actor's memory (PSS of its process
-   tree, and peak RSS). The vLLM engine's KV cache is sized to the run (rollout.vllm.kv_cache_sequences). Then
-   the median sync per dtype beside a plain `copy_` of the same weights.
+   tree, and peak RSS). The vLLM engine's KV cache is sized to the run (rollout.vllm.kv_cache_sequences).
+Between the two (`sync_times`): per dtype, one vLLM agent in this process times its weight sync, vLLM's generic
+reload and a plain `copy_` of the same weights, alternating.
 """
 
 from __future__ import annotations
@@ -103,24 +105,48 @@ def generate_times(args) -> None:
         trainer.close()
 
 
-def plain_copy_seconds(dtype: str, repeats: int = 5) -> float:
-    """What a weight sync cannot beat: a plain `copy_` of every SmolLM2 weight into a preallocated tensor of the
-    same dtype, in this process (median of `repeats`)."""
+def sync_times(args) -> None:
+    """Per dtype, in this process, alternating, median of `--repeats` (at least 3): the vLLM engine's weight sync
+    (the in-place copy of agent_trainer/vllm_weights.py), vLLM's generic in-place reload (what the engine falls
+    back to), and a plain `copy_` of the same weights into preallocated tensors: what no sync can beat."""
     import torch
 
-    from agent_trainer.models import load_model
+    from agent_trainer.trainer import AgentTrainer
+    from protocols.config import AgentConfig, AlgorithmConfig
 
-    model, _ = load_model(MODEL, dtype=dtype)
-    weights = list(model.state_dict().values())
-    buffers = [w.clone() for w in weights]
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        with torch.no_grad():
-            for b, w in zip(buffers, weights):
-                b.copy_(w)
-        times.append(time.perf_counter() - start)
-    return bc.median(times)
+    torch.set_num_threads(args.threads)
+    print(f"\nweight sync of one SmolLM2 agent, {args.threads} torch thread(s), median of {max(3, args.repeats)}:")
+    print(f"{'dtype':9s} {'plain copy s':>12s} {'in-place sync s':>15s} {'vLLM reload s':>13s} {'sync / copy':>11s}")
+    for dtype in args.dtypes:
+        agent = AgentConfig(model=MODEL, dtype=dtype, generation={"max_completion_length": 32},
+                            rollout={"engine": "vllm", "vllm": {"kv_cache_gb": 0.125, "max_num_seqs": 8}})
+        trainer = AgentTrainer(f"sync-{dtype}", agent, AlgorithmConfig(), seed=0)
+        engine, weights = trainer.engine, list(trainer.model.state_dict().values())
+        buffers = [w.clone() for w in weights]
+        plan = engine._plan
+
+        def copy() -> None:
+            with torch.no_grad():
+                for b, w in zip(buffers, weights):
+                    b.copy_(w)
+
+        def reload() -> None:
+            engine._plan = False
+            try:
+                engine.sync(trainer.model)
+            finally:
+                engine._plan = plan
+
+        times = {"copy": [], "sync": [], "reload": []}
+        contenders = {"copy": copy, "sync": lambda: engine.sync(trainer.model), "reload": reload}
+        for r in range(max(3, args.repeats)):
+            for name in list(contenders)[r % 3:] + list(contenders)[:r % 3]:
+                start = time.perf_counter()
+                contenders[name]()
+                times[name].append(time.perf_counter() - start)
+        copy_s, sync_s, reload_s = (bc.median(times[k]) for k in ("copy", "sync", "reload"))
+        print(f"{dtype:9s} {copy_s:12.3f} {sync_s:15.3f} {reload_s:13.3f} {sync_s / copy_s:11.1f}", flush=True)
+        trainer.close()
 
 
 def pss_tree_mb(pid: int) -> float:
@@ -148,10 +174,9 @@ def step_times(args) -> None:
     print(f"{'dtype':9s} {'tokens':>6s} {'engine':6s} {'s/step':>7s} {'vllm/hf':>7s} {'generate':>8s} {'update':>7s} "
           f"{'learn':>6s} {'sync':>6s} {'start s':>8s} {'PSS MB':>7s} {'vllm/hf':>7s} {'peak RSS MB':>12s}  load",
           flush=True)
-    results, copies = {}, {}
+    results = {}
     try:
         for dtype in args.dtypes:
-            copies[dtype] = plain_copy_seconds(dtype)
             for n, tokens in enumerate(args.step_tokens):
                 engines = ("hf", "vllm") if n % 2 == 0 else ("vllm", "hf")  # who goes first alternates
                 for engine in engines:
@@ -178,12 +203,6 @@ def step_times(args) -> None:
                           f"{os.getloadavg()[0]:.1f}", flush=True)
     finally:
         ray.shutdown()
-    print("\nweight sync per agent (vllm, median over its runs) beside a plain copy of the same weights in the driver:")
-    for dtype in args.dtypes:
-        syncs = [per_agent(h, "sync") for k, h in results.items() if len(k) == 3 and k[0] == dtype and k[2] == "vllm"]
-        if syncs:
-            print(f"{dtype:9s} sync {bc.median(syncs):.3f} s, plain copy {copies[dtype]:.3f} s, "
-                  f"ratio {bc.median(syncs) / copies[dtype]:.1f}")
     print("\nvllm / hf, same dtype and tokens, measured one right after the other:")
     for dtype in args.dtypes:
         for tokens in args.step_tokens:
@@ -204,11 +223,14 @@ def main() -> None:
     parser.add_argument("--step-tokens", default="32,128", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--skip-generate", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
+    parser.add_argument("--skip-sync", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(f"before: {bc.load_line()}\n{bc.machine_line()}", flush=True)
     if not args.skip_generate:
         generate_times(args)
+    if not args.skip_sync:
+        sync_times(args)
     if not args.skip_steps:
         step_times(args)
     print(f"after: {bc.load_line()}")
