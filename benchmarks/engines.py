@@ -165,14 +165,16 @@ def step_times(args) -> None:
     def med(history, key):
         return bc.median([m[key] for m in history if key in m])
 
-    def per_agent(history, kind):  # median over steps of the mean over agents
-        return bc.median([statistics.fmean(v for k, v in m.items() if k.startswith(f"time/{kind}/")) for m in history])
+    def per_agent(history, kind):  # median over steps of the mean over agents (time/learn/a0, ..., tokens/a0, ...)
+        prefix = "tokens/" if kind == "tokens" else f"time/{kind}/"
+        return bc.median([statistics.fmean(v for k, v in m.items() if k.startswith(prefix)) for m in history])
 
     print(f"\ntwo SmolLM2 agents in Ray actors, 1 CPU each, 2 x 4 episodes per agent and step, both agents train "
-          f"every step, median of {args.steps} steps after one warm-up step; memory: PSS of each trainer actor's "
-          "process tree (sum over the two) and each one's peak RSS, after the last step", flush=True)
+          f"every step, median of {args.steps} steps after one warm-up step; learn: the learner's share of the "
+          "update (no sync) and tokens: the completion tokens it trained on, per agent; memory: PSS of each trainer "
+          "actor's process tree (sum over the two) and each one's peak RSS, after the last step", flush=True)
     print(f"{'dtype':9s} {'tokens':>6s} {'engine':6s} {'s/step':>7s} {'vllm/hf':>7s} {'generate':>8s} {'update':>7s} "
-          f"{'learn':>6s} {'sync':>6s} {'start s':>8s} {'PSS MB':>7s} {'vllm/hf':>7s} {'peak RSS MB':>12s}  load",
+          f"{'learn':>6s} {'tokens':>6s} {'sync':>6s} {'start s':>8s} {'PSS MB':>7s} {'vllm/hf':>7s} {'peak RSS MB':>12s}  load",
           flush=True)
     results = {}
     try:
@@ -198,7 +200,8 @@ def step_times(args) -> None:
                                                 if (*other, key) in results else f"{'-':>7s}")
                     print(f"{dtype:9s} {tokens:6d} {engine:6s} {step:7.2f} {ratio('step', step)} "
                           f"{med(history, 'time/generate'):8.2f} {med(history, 'time/update'):7.2f} "
-                          f"{per_agent(history, 'learn'):6.2f} {per_agent(history, 'sync'):6.3f} {start_s:8.1f} "
+                          f"{per_agent(history, 'learn'):6.2f} {per_agent(history, 'tokens'):6.0f} {per_agent(history, 'sync'):6.3f} "
+                          f"{start_s:8.1f} "
                           f"{pss:7.0f} {ratio('pss', pss)} {' / '.join(f'{r:.0f}' for _, r in memory):>12s}  "
                           f"{os.getloadavg()[0]:.1f}", flush=True)
     finally:
