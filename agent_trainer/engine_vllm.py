@@ -67,7 +67,8 @@ def cpu_kv_cache_bytes(model_path: str, *, dtype: str, max_model_len: int, seque
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    dtype_bytes = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
     blocks = -(-max_model_len // _KV_BLOCK_TOKENS) + 1
     return sequences * blocks * _KV_BLOCK_TOKENS * per_token
 

@@ -35,8 +35,7 @@ import torch
 @dataclass
 class _Param:
     target: torch.Tensor  # the engine's tensor, written in place
-    sources: list[str]  # learner names, concatenated along dim 0 in this order
-    rows: int  # rows written (vocabulary padding beyond stays as vLLM made it)
+    sources: list[str]  # learner names, concatenated along dim 0 in this order (vocabulary padding beyond stays)
 
 
 @dataclass
@@ -94,14 +93,14 @@ class SyncPlan:
                     continue
                 seen.add(id(param))
                 sources = [f"{prefix}.{p}.{pname}".lstrip(".") for p in parts]
-                if any(s not in learner for s in sources):
+                if param.dim() == 0 or any(s not in learner or learner[s].dim() == 0 for s in sources):
                     return None
-                rows = sum(learner[s].shape[0] if learner[s].dim() else 1 for s in sources)
-                shape_ok = all(learner[s].shape[1:] == param.shape[1:] for s in sources) and rows <= param.shape[0]
-                if param.dim() == 0 or not shape_ok or (rows != param.shape[0]
-                                                         and not isinstance(module, VocabParallelEmbedding)):
+                rows = sum(learner[s].shape[0] for s in sources)
+                padded = isinstance(module, VocabParallelEmbedding)  # vLLM pads the vocabulary: rows beyond stay
+                if (any(learner[s].shape[1:] != param.shape[1:] for s in sources)
+                        or rows > param.shape[0] or (rows < param.shape[0] and not padded)):
                     return None
-                plan.params.append(_Param(param, sources, rows))
+                plan.params.append(_Param(param, sources))
                 used.update(sources)
         unused = {n for n in learner if n not in used and not _tied_to_used(n, learner, used)}
         return None if unused else plan
@@ -119,9 +118,8 @@ class SyncPlan:
             offset = 0
             for name in p.sources:
                 source = learner[name]
-                n = source.shape[0] if source.dim() else 1
-                p.target.narrow(0, offset, n).copy_(source.reshape(p.target.narrow(0, offset, n).shape))
-                offset += n
+                p.target.narrow(0, offset, source.shape[0]).copy_(source)
+                offset += source.shape[0]
         for linear in self.linears:
             weight = self._weight(linear, learner)
             linear.module.weight = torch.nn.Parameter(weight, requires_grad=False)

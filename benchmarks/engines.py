@@ -123,6 +123,7 @@ def sync_times(args) -> None:
         trainer = AgentTrainer(f"sync-{dtype}", agent, AlgorithmConfig(), seed=0)
         engine, weights = trainer.engine, list(trainer.model.state_dict().values())
         buffers = [w.clone() for w in weights]
+        engine.sync(trainer.model)  # builds the engine's sync plan (once per engine), untimed
         plan = engine._plan
 
         def copy() -> None:
