@@ -2,7 +2,7 @@
 
     python benchmarks/engines.py [--dtypes float32,bfloat16] [--repeats 3] [--threads 1] [--steps 3]
                                  [--step-tokens 32,128] [--skip-generate] [--skip-sync]
-                                 [--skip-steps]
+                                 [--skip-learner] [--skip-steps]
 
 1. Generate: 16 prompts x 128 new tokens (stopping disabled, so every row has 128 tokens) through one
    AgentTrainer per (engine, dtype) in this process, `--threads` torch threads; contenders alternate
@@ -15,7 +15,8 @@
    engine's weight sync, the time to start the trainers, and each trainer actor's memory (PSS of its process
    tree, and peak RSS). The vLLM engine's KV cache is sized to the run (rollout.vllm.kv_cache_sequences).
 Between the two (`sync_times`): per dtype, one vLLM agent in this process times its weight sync, vLLM's generic
-reload and a plain `copy_` of the same weights, alternating.
+reload and a plain `copy_` of the same weights, alternating; then (`learner_times`) the learner's update with
+and without a vLLM engine resident in its process, wall and CPU seconds, each in a fresh process, alternating.
 """
 
 from __future__ import annotations
@@ -150,6 +151,60 @@ def sync_times(args) -> None:
         trainer.close()
 
 
+def learner_child(engine: str, dtype: str, threads: int) -> None:
+    """In a process of its own: one SmolLM2 agent with `engine` generates 8 completions of 32 tokens once, then
+    updates on them 3 times; prints each update's wall and CPU seconds without the sync, as JSON."""
+    import json
+
+    import psutil
+    import torch
+
+    from agent_trainer.trainer import AgentTrainer
+    from protocols.config import AgentConfig, AlgorithmConfig
+    from protocols.messages import Experience, GenerateRequest, UpdateRequest
+
+    torch.set_num_threads(threads)
+    rollout = {"engine": engine, **({"vllm": {"kv_cache_gb": 0.25, "max_num_seqs": 16}} if engine == "vllm" else {})}
+    agent = AgentConfig(model=MODEL, dtype=dtype, optimizer={"lr": 1e-7}, generation={"max_completion_length": 32},
+                        rollout=rollout)
+    trainer = AgentTrainer(engine, agent, AlgorithmConfig(), seed=0)
+    trainer.engine.stop_ids = []  # every completion 32 tokens: both engines' learners see the same shapes
+    result = trainer.generate(GenerateRequest(prompts=PROMPTS[:8], seed=1))
+    experiences = [Experience.from_completion(c, (-1.0) ** i) for i, c in enumerate(result.completions)]
+    process, updates = psutil.Process(), []
+    for _ in range(3):
+        cpu, wall = sum(process.cpu_times()[:2]), time.perf_counter()
+        metrics = trainer.update(UpdateRequest(experiences=experiences))
+        sync_cpu = metrics.sync_seconds  # the sync is single-threaded work: its wall time stands for its CPU time
+        updates.append((time.perf_counter() - wall - metrics.sync_seconds,
+                        sum(process.cpu_times()[:2]) - cpu - sync_cpu))
+    trainer.close()
+    print("LEARNER " + json.dumps(updates), flush=True)
+
+
+def learner_times(args) -> None:
+    """The learner's update (without the sync) with no engine beside it (hf) and with a vLLM engine resident in
+    its process, each in a fresh process, alternating, 2 rounds of 3 updates; CPU seconds are what the load of
+    other jobs does not move."""
+    import json
+    import subprocess
+
+    dtype = args.dtypes[0]
+    runs = {"hf": [], "vllm": []}
+    for r in range(2):
+        for engine in (("hf", "vllm") if r % 2 == 0 else ("vllm", "hf")):
+            done = subprocess.run([sys.executable, __file__, "--learner-child", engine, "--dtypes", dtype,
+                                   "--threads", str(args.threads)], capture_output=True, text=True, check=True)
+            line = next(x for x in done.stdout.splitlines() if x.startswith("LEARNER "))
+            runs[engine] += json.loads(line.removeprefix("LEARNER "))[1:]  # the first update warms up
+    print(f"\nthe learner's update without the sync, 8 x 32 tokens, {dtype}, {args.threads} thread(s), each engine "
+          "in a fresh process, alternating, median of 4 updates:")
+    for engine, values in runs.items():
+        wall, cpu = bc.median([w for w, _ in values]), bc.median([c for _, c in values])
+        print(f"{engine:5s} {'(vLLM engine resident)' if engine == 'vllm' else '(no engine)':23s} wall {wall:6.2f} s, "
+              f"CPU {cpu:6.2f} s", flush=True)
+
+
 def pss_tree_mb(pid: int) -> float:
     """Proportional set size of a process and all its children, MB (shared pages split between their users)."""
     import psutil
@@ -228,13 +283,19 @@ def main() -> None:
     parser.add_argument("--skip-generate", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
     parser.add_argument("--skip-sync", action="store_true")
+    parser.add_argument("--skip-learner", action="store_true")
+    parser.add_argument("--learner-child", choices=["hf", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.learner_child:
+        return learner_child(args.learner_child, args.dtypes[0], args.threads)
     print(f"before: {bc.load_line()}\n{bc.machine_line()}", flush=True)
     if not args.skip_generate:
         generate_times(args)
     if not args.skip_sync:
         sync_times(args)
+    if not args.skip_learner:
+        learner_times(args)
     if not args.skip_steps:
         step_times(args)
     print(f"after: {bc.load_line()}")
