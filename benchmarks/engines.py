@@ -1,16 +1,22 @@
 """HF vs vLLM rollout engines, side by side in one run, on SmolLM2-135M-Instruct.
 
     python benchmarks/engines.py [--dtypes float32,bfloat16] [--repeats 3] [--threads 1] [--steps 3]
-                                 [--skip-generate] [--skip-steps]
+                                 [--step-tokens 32,128] [--skip-generate] [--skip-sync]
+                                 [--skip-learner] [--skip-steps]
 
 1. Generate: 16 prompts x 128 new tokens (stopping disabled, so every row has 128 tokens) through one
    AgentTrainer per (engine, dtype) in this process, `--threads` torch threads; contenders alternate
    within each repeat (who goes first rotates) and each figure is a median over repeats. Also the
    engine's start-up time and the vLLM engine's behaviour log-prob gap to the learner on those tokens.
 2. Steps: a generation-heavy two-agent config (two SmolLM2 agents in Ray actors with 1 CPU each, 2 x 4
-   episodes of up to 128 tokens per agent and step, both agents train every step), run with each engine
-   in turn: whole seconds per step (median over `--steps` after one warm-up step), its generate / update /
-   sync parts, the time to start the trainers, and each actor's resident memory.
+   episodes per agent and step, both agents train every step), per dtype and per `--step-tokens` new tokens,
+   run with each engine in turn (who goes first alternates): whole seconds per step (median over `--steps`
+   after one warm-up step), its generate / update parts, the learner's own share of the update (`learn`) and the
+   engine's weight sync, the time to start the trainers, and each trainer actor's memory (PSS of its process
+   tree, and peak RSS). The vLLM engine's KV cache is sized to the run (rollout.vllm.kv_cache_sequences).
+Between the two (`sync_times`): per dtype, one vLLM agent in this process times its weight sync, vLLM's generic
+reload and a plain `copy_` of the same weights, alternating; then (`learner_times`) the learner's update with
+and without a vLLM engine resident in its process, wall and CPU seconds, each in a fresh process, alternating.
 """
 
 from __future__ import annotations
@@ -100,43 +106,169 @@ def generate_times(args) -> None:
         trainer.close()
 
 
+def sync_times(args) -> None:
+    """Per dtype, in this process, alternating, median of `--repeats` (at least 3): the vLLM engine's weight sync
+    (the in-place copy of agent_trainer/vllm_weights.py), vLLM's generic in-place reload (what the engine falls
+    back to), and a plain `copy_` of the same weights into preallocated tensors: what no sync can beat."""
+    import torch
+
+    from agent_trainer.trainer import AgentTrainer
+    from protocols.config import AgentConfig, AlgorithmConfig
+
+    torch.set_num_threads(args.threads)
+    print(f"\nweight sync of one SmolLM2 agent, {args.threads} torch thread(s), median of {max(3, args.repeats)}:")
+    print(f"{'dtype':9s} {'plain copy s':>12s} {'in-place sync s':>15s} {'vLLM reload s':>13s} {'sync / copy':>11s}")
+    for dtype in args.dtypes:
+        agent = AgentConfig(model=MODEL, dtype=dtype, generation={"max_completion_length": 32},
+                            rollout={"engine": "vllm", "vllm": {"kv_cache_gb": 0.125, "max_num_seqs": 8}})
+        trainer = AgentTrainer(f"sync-{dtype}", agent, AlgorithmConfig(), seed=0)
+        engine, weights = trainer.engine, list(trainer.model.state_dict().values())
+        buffers = [w.clone() for w in weights]
+        engine.sync(trainer.model)  # builds the engine's sync plan (once per engine), untimed
+        plan = engine._plan
+
+        def copy() -> None:
+            with torch.no_grad():
+                for b, w in zip(buffers, weights):
+                    b.copy_(w)
+
+        def reload() -> None:
+            engine._plan = False
+            try:
+                engine.sync(trainer.model)
+            finally:
+                engine._plan = plan
+
+        times = {"copy": [], "sync": [], "reload": []}
+        contenders = {"copy": copy, "sync": lambda: engine.sync(trainer.model), "reload": reload}
+        for r in range(max(3, args.repeats)):
+            for name in list(contenders)[r % 3:] + list(contenders)[:r % 3]:
+                start = time.perf_counter()
+                contenders[name]()
+                times[name].append(time.perf_counter() - start)
+        copy_s, sync_s, reload_s = (bc.median(times[k]) for k in ("copy", "sync", "reload"))
+        print(f"{dtype:9s} {copy_s:12.3f} {sync_s:15.3f} {reload_s:13.3f} {sync_s / copy_s:11.1f}", flush=True)
+        trainer.close()
+
+
+def learner_child(engine: str, dtype: str, threads: int) -> None:
+    """In a process of its own: one SmolLM2 agent with `engine` generates 8 completions of 32 tokens once, then
+    updates on them 3 times; prints each update's wall and CPU seconds without the sync, as JSON."""
+    import json
+
+    import psutil
+    import torch
+
+    from agent_trainer.trainer import AgentTrainer
+    from protocols.config import AgentConfig, AlgorithmConfig
+    from protocols.messages import Experience, GenerateRequest, UpdateRequest
+
+    torch.set_num_threads(threads)
+    rollout = {"engine": engine, **({"vllm": {"kv_cache_gb": 0.25, "max_num_seqs": 16}} if engine == "vllm" else {})}
+    agent = AgentConfig(model=MODEL, dtype=dtype, optimizer={"lr": 1e-7}, generation={"max_completion_length": 32},
+                        rollout=rollout)
+    trainer = AgentTrainer(engine, agent, AlgorithmConfig(), seed=0)
+    trainer.engine.stop_ids = []  # every completion 32 tokens: both engines' learners see the same shapes
+    result = trainer.generate(GenerateRequest(prompts=PROMPTS[:8], seed=1))
+    experiences = [Experience.from_completion(c, (-1.0) ** i) for i, c in enumerate(result.completions)]
+    process, updates = psutil.Process(), []
+    for _ in range(3):
+        cpu, wall = sum(process.cpu_times()[:2]), time.perf_counter()
+        metrics = trainer.update(UpdateRequest(experiences=experiences))
+        sync_cpu = metrics.sync_seconds  # the sync is single-threaded work: its wall time stands for its CPU time
+        updates.append((time.perf_counter() - wall - metrics.sync_seconds,
+                        sum(process.cpu_times()[:2]) - cpu - sync_cpu))
+    trainer.close()
+    print("LEARNER " + json.dumps(updates), flush=True)
+
+
+def learner_times(args) -> None:
+    """The learner's update (without the sync) with no engine beside it (hf) and with a vLLM engine resident in
+    its process, each in a fresh process, alternating, 2 rounds of 3 updates; CPU seconds are what the load of
+    other jobs does not move."""
+    import json
+    import subprocess
+
+    dtype = args.dtypes[0]
+    runs = {"hf": [], "vllm": []}
+    for r in range(2):
+        for engine in (("hf", "vllm") if r % 2 == 0 else ("vllm", "hf")):
+            done = subprocess.run([sys.executable, __file__, "--learner-child", engine, "--dtypes", dtype,
+                                   "--threads", str(args.threads)], capture_output=True, text=True, check=True)
+            line = next(x for x in done.stdout.splitlines() if x.startswith("LEARNER "))
+            runs[engine] += json.loads(line.removeprefix("LEARNER "))[1:]  # the first update warms up
+    print(f"\nthe learner's update without the sync, 8 x 32 tokens, {dtype}, {args.threads} thread(s), each engine "
+          "in a fresh process, alternating, median of 4 updates:")
+    for engine, values in runs.items():
+        wall, cpu = bc.median([w for w, _ in values]), bc.median([c for _, c in values])
+        print(f"{engine:5s} {'(vLLM engine resident)' if engine == 'vllm' else '(no engine)':23s} wall {wall:6.2f} s, "
+              f"CPU {cpu:6.2f} s", flush=True)
+
+
+def pss_tree_mb(pid: int) -> float:
+    """Proportional set size of a process and all its children, MB (shared pages split between their users)."""
+    import psutil
+
+    process = psutil.Process(pid)
+    return sum(p.memory_full_info().pss for p in [process, *process.children(recursive=True)]) / 1e6
+
+
 def step_times(args) -> None:
     import ray
 
     from orchestrator.coordinator import Coordinator
 
-    results = {}
-    try:
-        for engine in ("hf", "vllm"):
-            config = bc.marsi_config(num_agents=2, model=MODEL, batch_size=2, group=4, tokens=args.tokens,
-                                     lr=1e-6, steps=args.steps + 1, ray=True, num_cpus=1.0, dataset_size=64,
-                                     engine=engine, story=True, vllm={"kv_cache_gb": 0.5, "max_num_seqs": 16})
-            start = time.perf_counter()
-            with Coordinator(config) as coord:
-                start_s = time.perf_counter() - start
-                coord.run(until=1)  # warm-up, untimed
-                history = coord.run()
-                memory = [bc.rss_mb(i["pid"]) for i in coord.pool.info().values()]
-            results[engine] = (start_s, history, memory)
-            print(f"{engine}: {len(history)} steps done", flush=True)
-    finally:
-        ray.shutdown()
-
     def med(history, key):
         return bc.median([m[key] for m in history if key in m])
 
-    print(f"\ntwo SmolLM2 agents, 1 CPU each, 2 x 4 episodes of up to {args.tokens} tokens per agent and step, "
-          f"median of {args.steps} steps:")
-    print(f"{'engine':6s} {'s/step':>7s} {'generate':>8s} {'update':>7s} {'sync':>6s} {'tokens/agent':>12s} "
-          f"{'start s':>8s} {'RSS per actor MB now / peak':>30s}")
-    base = med(results["hf"][1], "time/step")
-    for engine, (start_s, history, memory) in results.items():
-        sync = bc.median([statistics.fmean(v for k, v in m.items() if k.startswith("time/sync/")) for m in history])
-        tokens = bc.median([statistics.fmean(m[f"tokens/{a}"] for a in ("a0", "a1")) for m in history])
-        rss = ", ".join(f"{now:.0f} / {peak:.0f}" for now, peak in memory)
-        print(f"{engine:6s} {med(history, 'time/step'):7.2f} {med(history, 'time/generate'):8.2f} "
-              f"{med(history, 'time/update'):7.2f} {sync:6.3f} {tokens:12.0f} {start_s:8.1f} {rss:>30s}")
-    print(f"hf / vllm seconds per step: {base / med(results['vllm'][1], 'time/step'):.2f}")
+    def per_agent(history, kind):  # median over steps of the mean over agents (time/learn/a0, ..., tokens/a0, ...)
+        prefix = "tokens/" if kind == "tokens" else f"time/{kind}/"
+        return bc.median([statistics.fmean(v for k, v in m.items() if k.startswith(prefix)) for m in history])
+
+    print(f"\ntwo SmolLM2 agents in Ray actors, 1 CPU each, 2 x 4 episodes per agent and step, both agents train "
+          f"every step, median of {args.steps} steps after one warm-up step; learn: the learner's share of the "
+          "update (no sync) and tokens: the completion tokens it trained on, per agent; memory: PSS of each trainer "
+          "actor's process tree (sum over the two) and each one's peak RSS, after the last step", flush=True)
+    print(f"{'dtype':9s} {'tokens':>6s} {'engine':6s} {'s/step':>7s} {'vllm/hf':>7s} {'generate':>8s} {'update':>7s} "
+          f"{'learn':>6s} {'tokens':>6s} {'sync':>6s} {'start s':>8s} {'PSS MB':>7s} {'vllm/hf':>7s} {'peak RSS MB':>12s}  load",
+          flush=True)
+    results = {}
+    try:
+        for dtype in args.dtypes:
+            for n, tokens in enumerate(args.step_tokens):
+                engines = ("hf", "vllm") if n % 2 == 0 else ("vllm", "hf")  # who goes first alternates
+                for engine in engines:
+                    config = bc.marsi_config(num_agents=2, model=MODEL, batch_size=2, group=4, tokens=tokens,
+                                             lr=1e-6, steps=args.steps + 1, ray=True, num_cpus=1.0, dataset_size=64,
+                                             engine=engine, story=True, dtype=dtype, vllm={"max_num_seqs": 16})
+                    start = time.perf_counter()
+                    with Coordinator(config) as coord:
+                        start_s = time.perf_counter() - start
+                        coord.run(until=1)  # warm-up, untimed
+                        history = coord.run()
+                        pids = [i["pid"] for i in coord.pool.info().values()]
+                        memory = [(pss_tree_mb(pid), bc.rss_mb(pid)[1]) for pid in pids]
+                    results[dtype, tokens, engine] = history
+                    step, pss = med(history, "time/step"), sum(p for p, _ in memory)
+                    results[dtype, tokens, engine, "step"], results[dtype, tokens, engine, "pss"] = step, pss
+                    other = (dtype, tokens, "hf")
+                    ratio = lambda key, value: (f"{value / results[(*other, key)]:7.2f}"  # noqa: E731
+                                                if (*other, key) in results else f"{'-':>7s}")
+                    print(f"{dtype:9s} {tokens:6d} {engine:6s} {step:7.2f} {ratio('step', step)} "
+                          f"{med(history, 'time/generate'):8.2f} {med(history, 'time/update'):7.2f} "
+                          f"{per_agent(history, 'learn'):6.2f} {per_agent(history, 'tokens'):6.0f} {per_agent(history, 'sync'):6.3f} "
+                          f"{start_s:8.1f} "
+                          f"{pss:7.0f} {ratio('pss', pss)} {' / '.join(f'{r:.0f}' for _, r in memory):>12s}  "
+                          f"{os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        ray.shutdown()
+    print("\nvllm / hf, same dtype and tokens, measured one right after the other:")
+    for dtype in args.dtypes:
+        for tokens in args.step_tokens:
+            v, h = (dtype, tokens, "vllm"), (dtype, tokens, "hf")
+            if (*v, "step") in results and (*h, "step") in results:
+                print(f"{dtype:9s} {tokens:4d} tokens: step {results[(*v, 'step')] / results[(*h, 'step')]:.2f}x, "
+                      f"memory (PSS) {results[(*v, 'pss')] / results[(*h, 'pss')]:.2f}x")
 
 
 def main() -> None:
@@ -147,13 +279,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--step-tokens", default="32,128", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--skip-generate", action="store_true")
     parser.add_argument("--skip-steps", action="store_true")
+    parser.add_argument("--skip-sync", action="store_true")
+    parser.add_argument("--skip-learner", action="store_true")
+    parser.add_argument("--learner-child", choices=["hf", "vllm"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.learner_child:
+        return learner_child(args.learner_child, args.dtypes[0], args.threads)
     print(f"before: {bc.load_line()}\n{bc.machine_line()}", flush=True)
     if not args.skip_generate:
         generate_times(args)
+    if not args.skip_sync:
+        sync_times(args)
+    if not args.skip_learner:
+        learner_times(args)
     if not args.skip_steps:
         step_times(args)
     print(f"after: {bc.load_line()}")

@@ -726,6 +726,7 @@ def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, 
             metrics[f"rollout/tis_truncated/{agent}"] = r.tis_truncated
         metrics[f"tokens/{agent}"] = r.num_tokens
         metrics[f"time/sync/{agent}"] = r.sync_seconds
+        metrics[f"time/learn/{agent}"] = r.seconds - r.sync_seconds  # the learner's own share of the update
     generate_s, update_s = seconds.get("generate", 0.0), seconds.get("update", 0.0)
     metrics.update({"time/step": step_seconds, "time/generate": generate_s, "time/update": update_s,
                     "time/coordinator": step_seconds - generate_s - update_s - seconds.get("critic", 0.0),

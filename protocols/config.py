@@ -153,7 +153,15 @@ class VLLMConfig(_Strict):
     """On a GPU: the share of the GPU's memory the engine may take (weights, activations, KV cache); the learner
     needs the rest. Ignored on CPU, where `kv_cache_gb` sizes the engine."""
     kv_cache_gb: float | None = Field(None, gt=0.0)
-    """KV-cache size in GiB. None: 1 GiB on CPU; on a GPU, what `gpu_memory_utilization` leaves after the weights."""
+    """KV-cache size in GiB. None: on CPU, sized to the run (`kv_cache_sequences` sequences of
+    generation.max_prompt_length + max_completion_length tokens, each rounded up to whole 128-token blocks plus
+    one; bytes per token from the model's config: layers x 2 x key/value heads x head dim x dtype size); on a GPU,
+    what `gpu_memory_utilization` leaves after the weights."""
+    kv_cache_sequences: int | None = Field(None, ge=1)
+    """On CPU without `kv_cache_gb`: how many whole sequences the KV cache holds. None: filled in when the run
+    config is read, train.batch_size x train.num_generations x the most roles this agent holds in one seating (the
+    most rows one of its generate calls has), capped at `max_num_seqs`; an agent used without a run config
+    (a plain AgentTrainer) gets `max_num_seqs`."""
     max_num_seqs: int = Field(64, ge=1)
     """Most sequences the engine decodes at once; a larger batch waits for a free slot."""
     enforce_eager: bool = True
@@ -621,6 +629,19 @@ class RunConfig(_Strict):
     critic: CriticConfig | None = None
     """The learned value function of `algorithm.baseline: critic` (its defaults when that baseline is chosen
     without this section); None otherwise."""
+
+    @model_validator(mode="after")
+    def _vllm_cache_sized_to_the_run(self) -> RunConfig:
+        """Each vLLM agent's CPU KV cache holds the rows of its largest generate call (`kv_cache_sequences`)."""
+        for name, agent in self.agents.items():
+            settings = agent.rollout.vllm
+            if agent.rollout.engine != "vllm" or settings.kv_cache_gb is not None or settings.kv_cache_sequences:
+                continue
+            seats = max([sum(a == name for a in seating.values()) for seating in self.roles.seatings()] or [1])
+            rows = self.train.batch_size * self.train.num_generations * max(1, seats)
+            vllm = settings.model_copy(update={"kv_cache_sequences": min(rows, settings.max_num_seqs)})
+            self.agents[name] = agent.model_copy(update={"rollout": agent.rollout.model_copy(update={"vllm": vllm})})
+        return self
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:

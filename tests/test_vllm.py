@@ -29,8 +29,8 @@ VLLM = {"engine": "vllm", "vllm": {"kv_cache_gb": 0.0625, "max_num_seqs": 64}}
 PARITY = 1e-4  # fp32 engine vs fp32 learner, nats
 
 
-def make_trainer(*, lr=1e-2, generation=None, **rollout):
-    agent = AgentConfig(model="builtin:tiny", optimizer={"lr": lr},
+def make_trainer(*, lr=1e-2, generation=None, model="builtin:tiny", **rollout):
+    agent = AgentConfig(model=model, dtype="float32", optimizer={"lr": lr},
                         generation={"max_completion_length": 6, **(generation or {})}, rollout={**VLLM, **rollout})
     return AgentTrainer("a", agent, AlgorithmConfig(), seed=0)
 
@@ -143,6 +143,78 @@ def test_every_update_syncs_the_engine_even_when_the_embeddings_change(trainer):
     assert gap(trainer.score(fixed, engine=True), trainer.score(fixed)) > 0.05
     trainer.engine.sync(trainer.model)
     assert gap(trainer.score(fixed, engine=True), trainer.score(fixed)) < PARITY
+
+
+@pytest.fixture(scope="module")
+def untied_tiny(tmp_path_factory) -> str:
+    """builtin:tiny with an output head of its own (not the embedding), saved as a local model directory."""
+    from agent_trainer.models import load_model
+
+    model, tokenizer = load_model("builtin:tiny")
+    model.config.tie_word_embeddings = False
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight) * 0.05)
+    path = tmp_path_factory.mktemp("untied") / "model"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("head", ["tied", "untied"])
+def test_the_in_place_sync_keeps_engine_and_learner_equal_over_several_updates(head, untied_tiny):
+    """The engine's sync copies the learner's tensors into vLLM's model in place (agent_trainer.vllm_weights) and
+    re-packs only the linear layers: after every one of several updates (which move the embedding and the head,
+    tied or not) engine and learner log-probs agree, and the sync never fell back to vLLM's generic reload."""
+    from agent_trainer.vllm_weights import SyncPlan
+
+    trainer = make_trainer(model="builtin:tiny" if head == "tied" else untied_tiny)
+    try:
+        model = trainer.model
+        tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+        assert tied == (head == "tied")
+        fixed = fixed_sequence(trainer)
+        for step in range(4):
+            result = trainer.generate(GenerateRequest(prompts=["Say a", "Say b"] * 4, seed=20 + step))
+            heads = model.get_output_embeddings().weight.detach().clone()
+            trainer.update(UpdateRequest(experiences=[
+                Experience.from_completion(c, a) for c, a in zip(result.completions, [1.0, -1.0, 0.5, -0.5] * 2)]))
+            assert not torch.equal(heads, model.get_output_embeddings().weight)
+            assert isinstance(trainer.engine._plan, SyncPlan)
+            assert gap(trainer.score(fixed, engine=True), trainer.score(fixed)) < PARITY, step
+    finally:
+        trainer.close()
+
+
+def test_a_model_the_in_place_sync_cannot_cover_gets_vllms_reload(trainer):
+    """A learner tensor with no engine parameter (or the reverse) means no plan: the engine reloads through vLLM."""
+    from agent_trainer.vllm_weights import SyncPlan
+
+    learner = trainer.model.state_dict()
+    extra = {**learner, "model.extra.weight": torch.zeros(3)}
+    missing = {k: v for k, v in learner.items() if k != "model.norm.weight"}
+    plans = [trainer.engine.llm.apply_model(lambda m, s=s: SyncPlan.build(m, s))[0] for s in (learner, extra, missing)]
+    assert isinstance(plans[0], SyncPlan) and plans[1] is None and plans[2] is None
+
+
+@pytest.mark.fast
+def test_the_cpu_kv_cache_is_sized_to_the_runs_rows_and_lengths():
+    """builtin:tiny: 2 layers x 2 (key, value) x 4 heads x head dim 32 x 4 bytes = 2048 bytes per token; 518 tokens
+    round up to 5 blocks of 128, plus one: 768 tokens, 1.5 MiB per sequence."""
+    from agent_trainer.engine_vllm import cpu_kv_cache_bytes
+    from agent_trainer.models import resolve_model_path
+
+    path = resolve_model_path("builtin:tiny")
+    assert cpu_kv_cache_bytes(path, dtype="float32", max_model_len=518, sequences=8) == 8 * 768 * 2048
+    assert cpu_kv_cache_bytes(path, dtype="bfloat16", max_model_len=518, sequences=8) == 8 * 768 * 1024
+    # the run fills in its rows: batch_size x num_generations x the roles the agent holds (solo holds x and o)
+    raw = self_play_config(batch_size=3, num_generations=2)
+    raw["agents"]["solo"]["rollout"] = {"engine": "vllm"}
+    raw["agents"]["judge"]["rollout"] = {"engine": "vllm", "vllm": {"max_num_seqs": 4}}
+    agents = validate_config(raw).agents
+    assert agents["solo"].rollout.vllm.kv_cache_sequences == 12  # 3 x 2 x 2 roles
+    assert agents["judge"].rollout.vllm.kv_cache_sequences == 4  # 3 x 2 x 1, capped at max_num_seqs
+    assert validate_config(self_play_config()).agents["solo"].rollout.vllm.kv_cache_sequences is None  # kv_cache_gb given
 
 
 def test_a_loaded_checkpoint_reaches_the_engine(trainer, tmp_path):
