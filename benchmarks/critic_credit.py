@@ -37,15 +37,15 @@ METHODS = ("group", "per_agent", "central")
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
 
 
-def turns_config(steps: int) -> dict:
+def turns_config(steps: int, turns: int = 4) -> dict:
     env = f"{HERE / 'critic_credit_env.py'}"
     agent = {"model": "builtin:tiny", "generation": {"max_completion_length": 2}, "optimizer": {"lr": 1.0e-3},
              "resources": {"num_cpus": 0.5}}
     return {
         "agents": {"alice": agent, "bob": agent},
-        "environment": {"name": f"{env}:TakeTurnsEnv", "kwargs": {"turns": 4}},
+        "environment": {"name": f"{env}:TakeTurnsEnv", "kwargs": {"turns": turns}},
         "roles": {"assignment": {"a": "alice", "b": "bob"}},
-        "data": {"factory": f"{env}:make_dataset"},
+        "data": {"factory": f"{env}:make_dataset", "kwargs": {"turns": turns}},
         "algorithm": {"discount": 1.0, "baseline": "group", "beta": 0.05},
         "train": {"steps": steps, "batch_size": 4, "num_generations": 4, "seed": 0, "progress": False},
         "ray": {"enabled": False},

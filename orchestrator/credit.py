@@ -88,20 +88,22 @@ class CriticCredit:
                     bootstrap = len(states[critic]) - 1
                 chains.append((episode, role, critic, decisions, bootstrap))
         values = values_of(dict(states))
-        actions, advantages, targets = [], [], defaultdict(list)
+        actions, advantages, returns, targets = [], [], [], defaultdict(list)
         for episode, role, critic, decisions, bootstrap in chains:
             mine = values[critic]
             rewards, gaps = decision_rewards(episode.role_rewards(role), [t for t, _, _ in decisions],
                                              self.algorithm.discount)
             chain_values = [mine[i] for _, _, i in decisions]
             last = mine[bootstrap] if bootstrap is not None else 0.0
-            adv, returns = gae(rewards, chain_values, gaps, self.algorithm.discount, self.critic.gae_lambda, last)
-            for (_, action, i), a, v, g in zip(decisions, adv, chain_values, returns):
+            adv, lambda_returns = gae(rewards, chain_values, gaps, self.algorithm.discount, self.critic.gae_lambda, last)
+            plain, _ = gae(rewards, [0.0] * len(rewards), gaps, self.algorithm.discount, 1.0, 0.0)  # discounted returns
+            for (_, action, i), a, v, g, r in zip(decisions, adv, chain_values, lambda_returns, plain):
                 actions.append(action)
                 advantages.append(a)
+                returns.append(r)
                 targets[critic].append(ValueTarget(state=states[critic][i], old_value=v, target=g))
         out: dict[str, list[Experience]] = {}
-        for action, advantage in zip(actions, normalised_per_agent(advantages, [a.agent for a in actions])):
+        for action, advantage in zip(actions, normalised_per_agent(advantages, [a.agent for a in actions], returns)):
             action.advantage = advantage
             out.setdefault(action.agent, []).append(Experience.from_completion(action.completion, advantage))
         return out, dict(targets)

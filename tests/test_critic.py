@@ -81,6 +81,17 @@ def test_advantages_are_normalised_per_agent():
     assert math.sqrt(sum(x * x for x in b) / 3) == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.fast
+def test_an_agent_without_reward_signal_is_centred_not_scaled():
+    # agent a's returns are all 0: its advantages differ only by the critic's noise, which must stay small;
+    # agent b's returns vary, so its advantages are scaled to unit std as before
+    adv = [-0.0061, -0.0059, -0.0060, 0.7, -0.1, -0.1]
+    out = normalised_per_agent(adv, ["a", "a", "a", "b", "b", "b"], returns=[0.0, 0.0, 0.0, 0.75, 0.0, 0.0])
+    assert out[:3] == pytest.approx([-0.0001, 0.0001, 0.0], abs=1e-9)
+    b = out[3:]
+    assert math.sqrt(sum(x * x for x in b) / 3) == pytest.approx(1.0, abs=1e-3)
+
+
 # ----------------------------------------------------------------------------- what critics see
 def _action(role: str, agent: str, prompt: str, text: str) -> Action:
     return Action(role, agent, prompt, Completion(text=text, prompt_ids=[1], completion_ids=[2], per_token_logps=[0.0],
