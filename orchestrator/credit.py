@@ -9,8 +9,8 @@ The turn structure (docs/rl-maths.md says where it follows or departs from PPO a
   per turn between its decisions (`advantages.decision_rewards`).
 - A state is text: what the critic may see before the action. A per-agent critic (`critic-AGENT`) sees
   that agent's own prompts and answers of the episode so far, then the role's prompt now; the central
-  critic (`critic`) sees every agent's prompts and answers so far, then every prompt of this turn. Both end
-  with the role being valued.
+  critic (`critic`) sees every agent's prompts and answers so far, then every prompt of this turn, the
+  role's own last. Both end with the role being valued (its prompt), so a chain's states begin each other.
 - After the chain's last turn: value 0 when the episode terminated; when it was truncated (`max_turns`, or
   the environment's `truncated`), the critic's value of the state after the last turn (with the prompts the
   last step returned, if any) bootstraps it.
@@ -38,7 +38,10 @@ def prompt_text(prompt: Prompt) -> str:
 
 def critic_state(episode: Episode, turn: int, role: str, agent: str, central: bool) -> str:
     """The input of `agent`'s critic (every agent's turns with `central`) for `role` about to act at `turn`
-    (0-based); `turn == len(episode.turns)` is the state after the last turn."""
+    (0-based); `turn == len(episode.turns)` is the state after the last turn. It ends with the role's prompt
+    now (the central critic's other prompts of the turn come before it), so each state of a turn-taking
+    chain begins the next one and the critic reads them in one forward (`CriticTrainer._batches`); a role
+    with no prompt now (after the last turn) ends with `value of [role]`."""
     lines = []
     for past in episode.turns[:turn]:
         for action in past.actions:
@@ -50,9 +53,9 @@ def critic_state(episode: Episode, turn: int, role: str, agent: str, central: bo
     else:
         now = episode.next_prompts
     for r, prompt in now.items():
-        if central or r == role:
+        if central and r != role:
             lines.append(f"[{r}] {prompt_text(prompt)}")
-    lines.append(f"value of [{role}]")
+    lines.append(f"[{role}] {prompt_text(now[role])}" if role in now else f"value of [{role}]")
     return "\n".join(lines)
 
 

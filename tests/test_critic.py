@@ -123,6 +123,10 @@ def test_the_central_critic_sees_every_agents_turns_and_a_per_agent_critic_only_
     for hidden in ("bob", "y-prompt"):
         assert hidden not in own
     assert "alice-said-2" not in central + own  # nothing of the turn being valued but its prompts
+    assert own.endswith("[x] x-prompt-2") and central.endswith("[x] x-prompt-2")  # the role valued comes last
+    first = critic_state(episode, 0, "x", "alice", central=False)
+    assert own.startswith(first + "\n")  # a chain's states begin each other: one forward reads them all
+    assert critic_state(episode, 2, "x", "alice", central=False).endswith("value of [x]")  # no prompt after the end
 
 
 @pytest.mark.fast
@@ -185,6 +189,27 @@ def test_the_value_loss_falls_on_a_fixed_batch():
         losses.append(critic.update(batch).value_loss)
     assert losses[-1] < 0.25 * losses[0], losses
     assert critic.values(states) == pytest.approx(targets, abs=0.3)
+
+
+def test_states_that_begin_each_other_share_a_forward_and_keep_their_own_values():
+    import torch
+
+    from agent_trainer.critic_trainer import CriticTrainer
+    from protocols.config import CriticConfig
+
+    critic = CriticTrainer("critic", CriticConfig(micro_batch_size=2), seed=0, total_updates=1)
+    with torch.no_grad():
+        critic.head.weight.normal_()  # a zero head would value everything 0
+    chain = ["[x] ..a", "[x] ..a\n[x] > a\n[x] .a..", "[x] ..a\n[x] > a\n[x] .a..\n[x] > b\n[x] a"]
+    states = [chain[1], "[y] other", chain[0], chain[2], "value of [y]"]
+    rows = []
+    forward = critic._hidden
+    critic._hidden = lambda ids, mask: rows.append(len(ids)) or forward(ids, mask)
+    together = critic.values(states)
+    assert sum(rows) == 3  # the chain in one row, the two others in their own
+    alone = [critic.values([s])[0] for s in states]
+    assert together == pytest.approx(alone, abs=1e-5)
+    assert len(set(round(v, 4) for v in together)) == len(states)
 
 
 @pytest.mark.fast
