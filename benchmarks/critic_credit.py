@@ -125,7 +125,8 @@ def main() -> None:
     for seed in range(args.seeds):  # seeds outermost: an interrupted run still has every method on its seeds
         for method in methods:
             out = subprocess.run([sys.executable, __file__, "--task", args.task, "--steps", str(args.steps),
-                                  "--turns", str(args.turns), "--one", method, str(seed)], capture_output=True, text=True, check=True)
+                                  "--turns", str(args.turns), "--one", method, str(seed)],
+                                 capture_output=True, text=True, check=True)
             run = json.loads(out.stdout.strip().splitlines()[-1])
             run["final"] = statistics.fmean(run["rewards"][-args.window:])
             runs.append(run)

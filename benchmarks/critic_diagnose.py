@@ -90,7 +90,11 @@ def main() -> None:
         history = coord.run()
     print(f"{args.method} critic, {args.turns} turns, critic lr {args.critic_lr} {' '.join(args.overrides)}")
     print("steps     reward  expl.var  value_loss  credit critic / group  value spread  mean value by answers seen")
-    mean = lambda xs: statistics.fmean(x for x in xs if x == x) if any(x == x for x in xs) else float("nan")  # noqa: E731
+
+    def mean(xs: list[float]) -> float:  # NaN (a step with no spread) left out
+        kept = [x for x in xs if x == x]
+        return statistics.fmean(kept) if kept else float("nan")
+
     for a in range(0, len(history), args.every):
         h, w = history[a:a + args.every], steps[a:a + args.every]
         ev = mean([v for m in h for k, v in m.items() if k.startswith("critic/explained_variance/")])
@@ -98,7 +102,8 @@ def main() -> None:
         seen = sorted({k for s in w for k in s if k.startswith("v")}, key=lambda k: int(k[1:]))
         values = " ".join(f"{mean([x for s in w for x in s[k]]):.3f}" for k in seen)
         print(f"{a + 1:3d}-{a + len(h):<3d}  {mean([m['reward/mean'] for m in h]):.3f}  {ev:+.3f}    {loss:.4f}     "
-              f"{mean([x for s in w for x in s['credit_critic']]):+.3f} / {mean([x for s in w for x in s['credit_group']]):+.3f}"
+              f"{mean([x for s in w for x in s['credit_critic']]):+.3f} / "
+              f"{mean([x for s in w for x in s['credit_group']]):+.3f}"
               f"      {mean([x for s in w for x in s['spread']]):.4f}      {values}", flush=True)
     critic_s = sum(m.get("time/critic", 0.0) for m in history)
     print(f"critic seconds {critic_s:.0f}")

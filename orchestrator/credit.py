@@ -98,8 +98,9 @@ class CriticCredit:
                                              self.algorithm.discount)
             chain_values = [mine[i] for _, _, i in decisions]
             last = mine[bootstrap] if bootstrap is not None else 0.0
-            adv, lambda_returns = gae(rewards, chain_values, gaps, self.algorithm.discount, self.critic.gae_lambda, last)
-            plain, _ = gae(rewards, [0.0] * len(rewards), gaps, self.algorithm.discount, 1.0, 0.0)  # discounted returns
+            discount, lam = self.algorithm.discount, self.critic.gae_lambda
+            adv, lambda_returns = gae(rewards, chain_values, gaps, discount, lam, last)
+            plain, _ = gae(rewards, [0.0] * len(rewards), gaps, discount, 1.0, 0.0)  # the discounted returns
             for (_, action, i), a, v, g, r in zip(decisions, adv, chain_values, lambda_returns, plain):
                 actions.append(action)
                 advantages.append(a)
