@@ -11,6 +11,8 @@ Choices (PPO's value function, Schulman et al., 2017, unless said):
 - The head starts at zero (every first value is 0: the first advantages are the plain discounted returns)
   and the critic's construction runs in a forked RNG, so a critic never moves its process's random streams:
   the agents' sampling is the same with or without it. Updates draw no random numbers.
+- Forwards are shared: a state whose tokens begin another state's is read inside that one's forward (`_batches`),
+  so an episode's turns cost about one forward of its longest state.
 - The update: `critic.num_iterations` passes over the step's targets in micro-batches, each pass one AdamW
   step on the mean of `losses.value_loss` (clipped by `critic.value_clip` around the rollout's values), the
   gradient norm clipped to `critic.optimizer.max_grad_norm`; a pass whose loss or gradient is not finite does
@@ -74,25 +76,44 @@ class CriticTrainer:
     # ---------------------------------------------------------------------------------- values
     def values(self, states: list[str]) -> list[float]:
         """The value of each state, in order (no gradient)."""
-        out = []
+        out = [0.0] * len(states)
         with torch.no_grad():
-            for i in range(0, len(states), self.config.micro_batch_size):
-                out += self._values(states[i:i + self.config.micro_batch_size]).tolist()
+            for indices, values in self._batches(states):
+                for i, v in zip(indices, values.tolist()):
+                    out[i] = v
         return out
 
-    def _values(self, states: list[str]) -> torch.Tensor:
-        """(B,) values of `states`: the head on the last hidden state at each input's last token."""
+    def _batches(self, states: list[str]):
+        """(indices of states, their (B,) values) per micro-batch of `micro_batch_size` forwards.
+
+        One forward serves every state whose tokens begin another's: a causal LM's hidden state at a position
+        sees nothing after it, so a state's value read inside a longer row equals its own forward's. An
+        episode's states are such prefixes of each other (`orchestrator.credit.critic_state`), so its turns
+        cost about one forward of the longest instead of one per turn."""
         rows = [self.tokenizer(s).input_ids[-self.config.max_length:] or [self.tokenizer.pad_token_id] for s in states]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):  # right-padded: each row keeps its own positions
-            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        last = torch.tensor([len(r) - 1 for r in rows], device=self.device)  # (B,)
-        hidden = self._hidden(ids, mask)  # (B, T, H)
-        chosen = hidden[torch.arange(len(rows), device=self.device), last].float()  # (B, H)
-        return self.head(chosen).squeeze(-1)  # (B,)
+        carriers: list[list[int]] = []  # the rows forwarded, longest first
+        reads: list[list[tuple[int, int]]] = []  # per carrier: (state index, position of its last token)
+        for i in sorted(range(len(rows)), key=lambda i: -len(rows[i])):
+            r = rows[i]
+            home = next((c for c, long in enumerate(carriers) if long[:len(r)] == r), None)
+            if home is None:
+                carriers.append(r)
+                reads.append([])
+                home = len(carriers) - 1
+            reads[home].append((i, len(r) - 1))
+        for start in range(0, len(carriers), self.config.micro_batch_size):
+            batch = range(start, min(start + self.config.micro_batch_size, len(carriers)))
+            width = max(len(carriers[c]) for c in batch)
+            ids = torch.full((len(batch), width), self.tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for b, c in enumerate(batch):  # right-padded: each row keeps its own positions
+                ids[b, :len(carriers[c])], mask[b, :len(carriers[c])] = torch.tensor(carriers[c]), 1
+            hidden = self._hidden(ids.to(self.device), mask.to(self.device))  # (B, T, H)
+            picks = [(b, i, pos) for b, c in enumerate(batch) for i, pos in reads[c]]
+            rows_at = torch.tensor([b for b, _, _ in picks], device=self.device)
+            cols_at = torch.tensor([pos for _, _, pos in picks], device=self.device)
+            chosen = hidden[rows_at, cols_at].float()  # (S, H): each state's last token
+            yield [i for _, i, _ in picks], self.head(chosen).squeeze(-1)  # (S,)
 
     def _hidden(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.agent is None:
@@ -120,11 +141,10 @@ class CriticTrainer:
         for _ in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             finite = True
-            for i in range(0, len(targets), cfg.micro_batch_size):
-                batch = slice(i, i + cfg.micro_batch_size)
-                values = self._values([t.state for t in targets[batch]])  # (B,)
+            for indices, values in self._batches([t.state for t in targets]):  # (S,) values per micro-batch
+                batch = torch.tensor(indices)
                 per_state, clipped = losses.value_loss(values, old[batch].to(self.device),
-                                                       returns[batch].to(self.device), cfg.value_clip)  # (B,), (B,)
+                                                       returns[batch].to(self.device), cfg.value_clip)  # (S,), (S,)
                 loss = per_state.sum() / len(targets)  # the whole batch's mean, accumulated over micro-batches
                 if not torch.isfinite(loss):
                     finite = False

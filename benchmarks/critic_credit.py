@@ -1,11 +1,12 @@
 """Critic against group baselines on a sparse multi-turn task, and on the demo.
 
-    python benchmarks/critic_credit.py [--task turns|demo] [--seeds 10] [--steps 150]
+    python benchmarks/critic_credit.py [--task turns|demo] [--turns 4] [--seeds 10] [--steps 150]
         [--methods group,per_agent,central] [--out FILE.json]
     python benchmarks/critic_credit.py --summarise FILE.json [--window 20]   # the summary of a (partial) --out
 
-`--task turns` (default): `critic_credit_env.TakeTurnsEnv`, two tiny agents taking turns for 4 turns with the
-whole reward on the last turn. `--task demo`: examples/demo/config.yaml as it is (two turns, reward on each).
+`--task turns` (default): `critic_credit_env.TakeTurnsEnv`, two tiny agents taking turns for `--turns` turns
+(4, or 8 for a longer horizon) with the whole reward on the last turn. `--task demo`: examples/demo/config.yaml
+as it is (two turns, reward on each).
 Each (method, seed) runs in a child process of its own (in-process trainers, no Ray), so its peak memory
 is its own: `group` is `algorithm.baseline: group`; `per_agent` and `central` are `algorithm.baseline:
 critic` with that `critic.kind` (a `builtin:tiny` value model in the same process). Printed per run: the
@@ -37,15 +38,15 @@ METHODS = ("group", "per_agent", "central")
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
 
 
-def turns_config(steps: int) -> dict:
+def turns_config(steps: int, turns: int = 4) -> dict:
     env = f"{HERE / 'critic_credit_env.py'}"
     agent = {"model": "builtin:tiny", "generation": {"max_completion_length": 2}, "optimizer": {"lr": 1.0e-3},
              "resources": {"num_cpus": 0.5}}
     return {
         "agents": {"alice": agent, "bob": agent},
-        "environment": {"name": f"{env}:TakeTurnsEnv", "kwargs": {"turns": 4}},
+        "environment": {"name": f"{env}:TakeTurnsEnv", "kwargs": {"turns": turns}},
         "roles": {"assignment": {"a": "alice", "b": "bob"}},
-        "data": {"factory": f"{env}:make_dataset"},
+        "data": {"factory": f"{env}:make_dataset", "kwargs": {"turns": turns}},
         "algorithm": {"discount": 1.0, "baseline": "group", "beta": 0.05},
         "train": {"steps": steps, "batch_size": 4, "num_generations": 4, "seed": 0, "progress": False},
         "ray": {"enabled": False},
@@ -66,7 +67,7 @@ def demo_config(steps: int) -> dict:
     return raw
 
 
-def one_run(task: str, method: str, seed: int, steps: int) -> dict:
+def one_run(task: str, method: str, seed: int, steps: int, turns: int = 4) -> dict:
     """Run one (method, seed) here; its per-step rewards, seconds and the critic's seconds."""
     import torch
 
@@ -74,7 +75,7 @@ def one_run(task: str, method: str, seed: int, steps: int) -> dict:
     from protocols.config import validate_config
 
     torch.set_num_threads(1)
-    raw = turns_config(steps) if task == "turns" else demo_config(steps)
+    raw = turns_config(steps, turns) if task == "turns" else demo_config(steps)
     raw["train"]["seed"] = seed
     if method != "group":
         raw["algorithm"]["baseline"] = "critic"
@@ -100,6 +101,7 @@ def interval(values: list[float]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=("turns", "demo"), default="turns")
+    parser.add_argument("--turns", type=int, default=4, help="turns of an episode of --task turns")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--window", type=int, default=20)
@@ -109,7 +111,7 @@ def main() -> None:
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one_run(args.task, args.one[0], int(args.one[1]), args.steps)))
+        print(json.dumps(one_run(args.task, args.one[0], int(args.one[1]), args.steps, args.turns)))
         return
     if args.summarise:
         runs = json.loads(Path(args.summarise).read_text())["runs"]
@@ -123,7 +125,8 @@ def main() -> None:
     for seed in range(args.seeds):  # seeds outermost: an interrupted run still has every method on its seeds
         for method in methods:
             out = subprocess.run([sys.executable, __file__, "--task", args.task, "--steps", str(args.steps),
-                                  "--one", method, str(seed)], capture_output=True, text=True, check=True)
+                                  "--turns", str(args.turns), "--one", method, str(seed)],
+                                 capture_output=True, text=True, check=True)
             run = json.loads(out.stdout.strip().splitlines()[-1])
             run["final"] = statistics.fmean(run["rewards"][-args.window:])
             runs.append(run)

@@ -9,8 +9,8 @@ The turn structure (docs/rl-maths.md says where it follows or departs from PPO a
   per turn between its decisions (`advantages.decision_rewards`).
 - A state is text: what the critic may see before the action. A per-agent critic (`critic-AGENT`) sees
   that agent's own prompts and answers of the episode so far, then the role's prompt now; the central
-  critic (`critic`) sees every agent's prompts and answers so far, then every prompt of this turn. Both end
-  with the role being valued.
+  critic (`critic`) sees every agent's prompts and answers so far, then every prompt of this turn, the
+  role's own last. Both end with the role being valued (its prompt), so a chain's states begin each other.
 - After the chain's last turn: value 0 when the episode terminated; when it was truncated (`max_turns`, or
   the environment's `truncated`), the critic's value of the state after the last turn (with the prompts the
   last step returned, if any) bootstraps it.
@@ -38,7 +38,10 @@ def prompt_text(prompt: Prompt) -> str:
 
 def critic_state(episode: Episode, turn: int, role: str, agent: str, central: bool) -> str:
     """The input of `agent`'s critic (every agent's turns with `central`) for `role` about to act at `turn`
-    (0-based); `turn == len(episode.turns)` is the state after the last turn."""
+    (0-based); `turn == len(episode.turns)` is the state after the last turn. It ends with the role's prompt
+    now (the central critic's other prompts of the turn come before it), so each state of a turn-taking
+    chain begins the next one and the critic reads them in one forward (`CriticTrainer._batches`); a role
+    with no prompt now (after the last turn) ends with `value of [role]`."""
     lines = []
     for past in episode.turns[:turn]:
         for action in past.actions:
@@ -50,9 +53,9 @@ def critic_state(episode: Episode, turn: int, role: str, agent: str, central: bo
     else:
         now = episode.next_prompts
     for r, prompt in now.items():
-        if central or r == role:
+        if central and r != role:
             lines.append(f"[{r}] {prompt_text(prompt)}")
-    lines.append(f"value of [{role}]")
+    lines.append(f"[{role}] {prompt_text(now[role])}" if role in now else f"value of [{role}]")
     return "\n".join(lines)
 
 
@@ -88,20 +91,23 @@ class CriticCredit:
                     bootstrap = len(states[critic]) - 1
                 chains.append((episode, role, critic, decisions, bootstrap))
         values = values_of(dict(states))
-        actions, advantages, targets = [], [], defaultdict(list)
+        actions, advantages, returns, targets = [], [], [], defaultdict(list)
         for episode, role, critic, decisions, bootstrap in chains:
             mine = values[critic]
             rewards, gaps = decision_rewards(episode.role_rewards(role), [t for t, _, _ in decisions],
                                              self.algorithm.discount)
             chain_values = [mine[i] for _, _, i in decisions]
             last = mine[bootstrap] if bootstrap is not None else 0.0
-            adv, returns = gae(rewards, chain_values, gaps, self.algorithm.discount, self.critic.gae_lambda, last)
-            for (_, action, i), a, v, g in zip(decisions, adv, chain_values, returns):
+            discount, lam = self.algorithm.discount, self.critic.gae_lambda
+            adv, lambda_returns = gae(rewards, chain_values, gaps, discount, lam, last)
+            plain, _ = gae(rewards, [0.0] * len(rewards), gaps, discount, 1.0, 0.0)  # the discounted returns
+            for (_, action, i), a, v, g, r in zip(decisions, adv, chain_values, lambda_returns, plain):
                 actions.append(action)
                 advantages.append(a)
+                returns.append(r)
                 targets[critic].append(ValueTarget(state=states[critic][i], old_value=v, target=g))
         out: dict[str, list[Experience]] = {}
-        for action, advantage in zip(actions, normalised_per_agent(advantages, [a.agent for a in actions])):
+        for action, advantage in zip(actions, normalised_per_agent(advantages, [a.agent for a in actions], returns)):
             action.advantage = advantage
             out.setdefault(action.agent, []).append(Experience.from_completion(action.completion, advantage))
         return out, dict(targets)

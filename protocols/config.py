@@ -390,7 +390,7 @@ class CriticConfig(_Strict):
     max_length: int = Field(512, ge=8)
     """Most tokens of a critic input; a longer one loses its start (the newest turns are kept)."""
     micro_batch_size: int = Field(16, ge=1)
-    """Inputs per forward/backward in a critic update."""
+    """Rows per forward/backward of a critic's values and updates (states that begin another share its row)."""
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-4)
     """The critic's AdamW and learning-rate schedule (over `train.steps` updates: a critic updates every step)."""
 

@@ -81,6 +81,17 @@ def test_advantages_are_normalised_per_agent():
     assert math.sqrt(sum(x * x for x in b) / 3) == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.fast
+def test_an_agent_without_reward_signal_is_centred_not_scaled():
+    # agent a's returns are all 0: its advantages differ only by the critic's noise, which must stay small;
+    # agent b's returns vary, so its advantages are scaled to unit std as before
+    adv = [-0.0061, -0.0059, -0.0060, 0.7, -0.1, -0.1]
+    out = normalised_per_agent(adv, ["a", "a", "a", "b", "b", "b"], returns=[0.0, 0.0, 0.0, 0.75, 0.0, 0.0])
+    assert out[:3] == pytest.approx([-0.0001, 0.0001, 0.0], abs=1e-9)
+    b = out[3:]
+    assert math.sqrt(sum(x * x for x in b) / 3) == pytest.approx(1.0, abs=1e-3)
+
+
 # ----------------------------------------------------------------------------- what critics see
 def _action(role: str, agent: str, prompt: str, text: str) -> Action:
     return Action(role, agent, prompt, Completion(text=text, prompt_ids=[1], completion_ids=[2], per_token_logps=[0.0],
@@ -112,6 +123,10 @@ def test_the_central_critic_sees_every_agents_turns_and_a_per_agent_critic_only_
     for hidden in ("bob", "y-prompt"):
         assert hidden not in own
     assert "alice-said-2" not in central + own  # nothing of the turn being valued but its prompts
+    assert own.endswith("[x] x-prompt-2") and central.endswith("[x] x-prompt-2")  # the role valued comes last
+    first = critic_state(episode, 0, "x", "alice", central=False)
+    assert own.startswith(first + "\n")  # a chain's states begin each other: one forward reads them all
+    assert critic_state(episode, 2, "x", "alice", central=False).endswith("value of [x]")  # no prompt after the end
 
 
 @pytest.mark.fast
@@ -174,6 +189,27 @@ def test_the_value_loss_falls_on_a_fixed_batch():
         losses.append(critic.update(batch).value_loss)
     assert losses[-1] < 0.25 * losses[0], losses
     assert critic.values(states) == pytest.approx(targets, abs=0.3)
+
+
+def test_states_that_begin_each_other_share_a_forward_and_keep_their_own_values():
+    import torch
+
+    from agent_trainer.critic_trainer import CriticTrainer
+    from protocols.config import CriticConfig
+
+    critic = CriticTrainer("critic", CriticConfig(micro_batch_size=2), seed=0, total_updates=1)
+    with torch.no_grad():
+        critic.head.weight.normal_()  # a zero head would value everything 0
+    chain = ["[x] ..a", "[x] ..a\n[x] > a\n[x] .a..", "[x] ..a\n[x] > a\n[x] .a..\n[x] > b\n[x] a"]
+    states = [chain[1], "[y] other", chain[0], chain[2], "value of [y]"]
+    rows = []
+    forward = critic._hidden
+    critic._hidden = lambda ids, mask: rows.append(len(ids)) or forward(ids, mask)
+    together = critic.values(states)
+    assert sum(rows) == 3  # the chain in one row, the two others in their own
+    alone = [critic.values([s])[0] for s in states]
+    assert together == pytest.approx(alone, abs=1e-5)
+    assert len(set(round(v, 4) for v in together)) == len(states)
 
 
 @pytest.mark.fast
