@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -498,7 +498,8 @@ class Coordinator:
         if self.evaluation is None:
             raise ConfigError("evaluate(): the config has no eval: section")
         result = self.evaluation.run(self.generate, self.assignment)
-        self.eval_results.append((self.state.step, result))  # every episode's values: what `compare` pairs
+        # every episode's values, what `compare` pairs (the transcripts are in the run's records already)
+        self.eval_results.append((self.state.step, replace(result, transcripts=[])))
         row = {"step": self.state.step, **result.metrics}
         if self.log is not None:
             self.log.log_metrics(row)
