@@ -398,7 +398,7 @@ def _eval(args, target: Path) -> int:
                 path = _checkpoint_path(name, log)  # `last` resolves now: a run may still be adding checkpoints
                 coord.load_weights(path)
                 step = CheckpointName.of(path).step
-            result = coord.evaluation.run(coord.generate, coord.assignment)
+            result = coord.evaluation.run(coord.generate, coord.assignment, initial=name == "initial")
             results[name], labels[name] = result, name if name != "last" else f"last (step {step})"
             if log is not None:
                 row = {"checkpoint": name, "step": step, "time": time.time(), **result.metrics, "episodes": result.episodes}
@@ -411,11 +411,12 @@ def _eval(args, target: Path) -> int:
         if args.metric not in first.episodes[""]:
             raise ConfigError(f"--metric {args.metric}: not reported by every episode; have "
                               f"{', '.join(first.episodes[''])}")
-        c = compare(first.episodes[""][args.metric], second.episodes[""][args.metric], first.samples)
-        verdict = "distinguishable from noise" if c["distinguishable"] else "NOT distinguishable from noise"
-        print(f"{args.metric} {b} - {a}: {c['difference']:+.4f} (95% CI {c['low']:+.4f} .. {c['high']:+.4f} over "
-              f"{c['samples']} samples; {a} {c['before']:.4f}, {b} {c['after']:.4f}; {c['episodes']} paired episodes, "
-              f"temperature {config.eval.temperature:g}): {verdict}")
+        for label in first.episodes:  # as trained, then each partner setting against itself
+            c = compare(first.episodes[label][args.metric], second.episodes[label][args.metric], first.samples)
+            verdict = "distinguishable from noise" if c["distinguishable"] else "NOT distinguishable from noise"
+            print(f"{label + ': ' if label else ''}{args.metric} {b} - {a}: {c['difference']:+.4f} (95% CI "
+                  f"{c['low']:+.4f} .. {c['high']:+.4f} over {c['samples']} samples; {a} {c['before']:.4f}, {b} "
+                  f"{c['after']:.4f}; {c['episodes']} paired episodes, temperature {config.eval.temperature:g}): {verdict}")
     return 0
 
 

@@ -100,6 +100,7 @@ class Coordinator:
         self.pool: TrainerPool | None = None  # every agent's handle: self.pool[agent]
         self.restored_from: Location | None = None
         self.restarts = 0
+        self.untrained = True  # every agent at its initial weights: no update and no load yet
         self.stop_requested = False
         self._owns_ray = False
         self.startup: dict[str, float] = {}  # seconds: Ray, the trainers, the slowest model load, all of start()
@@ -306,6 +307,7 @@ class Coordinator:
             check_experiences(agent, exps)
         start = time.perf_counter()
         requests = {a: UpdateRequest(experiences=e) for a, e in experiences.items() if e}
+        self.untrained = self.untrained and not requests
         results = self.pool.each(Agent.update, requests, timeout=self.config.train.call_timeout_s)
         self._seconds["update"] += time.perf_counter() - start
         for agent, result in results.items():
@@ -402,6 +404,7 @@ class Coordinator:
     def _load_trainers(self, checkpoint: Location) -> str | None:
         """Every trainer loads its files of `checkpoint`, each checked against the manifest on its node first;
         why the checkpoint is damaged, or None once all have loaded."""
+        self.untrained = False
         requests = {a: LoadRequest(source=checkpoint / "agents" / a, files=agent_files(checkpoint, a))
                     for a in self.members}
         problems = self.pool.each(Agent.load, requests, timeout=self.config.train.checkpoint_timeout_s)
@@ -497,7 +500,7 @@ class Coordinator:
         """Run the held-out evaluation now at the current weights; logs an `eval/` row for this step."""
         if self.evaluation is None:
             raise ConfigError("evaluate(): the config has no eval: section")
-        result = self.evaluation.run(self.generate, self.assignment)
+        result = self.evaluation.run(self.generate, self.assignment, initial=self.untrained)
         # every episode's values, what `compare` pairs (the transcripts are in the run's records already)
         self.eval_results.append((self.state.step, replace(result, transcripts=[])))
         row = {"step": self.state.step, **result.metrics}

@@ -5,9 +5,11 @@ An evaluation plays `eval.episodes_per_sample` episodes from each held-out sampl
 environment kwargs and temperature (0: greedy), under the run's role rotation, once as trained and once
 per partner setting: `eval.partners: {label: {agent: initial | scripted | DIR}}` seats that agent at its
 initial weights, as the environment's scripted player, or with the weights in DIR (extra frozen
-trainers named `agent@label`). Its seeds are the same at every evaluation, so two evaluations of one
-run differ only by the weights (common random numbers), and it touches no training state: no data
-position, episode count, baseline or trainer RNG.
+trainers named `agent@label`). Its seeds are the same at every evaluation and in every setting, so two
+evaluations of one run, or two settings of one evaluation, differ only by the weights (common random
+numbers); at the initial weights a setting that holds agents at `initial` is the trained setting and
+is not played twice. It touches no training state: no data position, episode count, baseline or
+trainer RNG.
 
 Metrics, under `eval/` (`eval/LABEL/` for a partner setting): `reward/mean` (the shared reward; in
 per-role games the mean over roles) and `reward/ROLE`, `episode/KEY` for every `episode_info` entry,
@@ -112,15 +114,23 @@ class Evaluation:
         every = self.eval.every
         return step == 0 or step == self.config.train.steps or bool(every and step % every == 0)
 
-    def run(self, generate, assignment) -> EvalResult:
-        """Play every setting; `generate(prompts, seed, temperature)` is the coordinator's."""
+    def run(self, generate, assignment, *, initial: bool = False) -> EvalResult:
+        """Play every setting; `generate(prompts, seed, temperature)` is the coordinator's. Every setting plays
+        the same seeds (common random numbers), so with `initial` (every agent at its initial weights) a partner
+        setting that only holds agents at `initial` is the trained setting itself: its episodes are reused."""
         metrics, values, samples, transcripts = {}, {}, [], []
         settings = {"": {}, **self.eval.partners}
+        played: list[rollout.Episode] = []
         for label, held in settings.items():
-            seats = _seated(assignment, held, label)
-            episodes = rollout.play(self.make_env, self.samples, self.eval.episodes_per_sample, seats,
-                                    lambda prompts, seed: generate(prompts, seed, self.eval.temperature),
-                                    seed=rollout.derive_seed(self.seed, "eval", label), first_episode=0)
+            if label and initial and set(held.values()) == {"initial"}:
+                episodes = played
+            else:
+                episodes = rollout.play(self.make_env, self.samples, self.eval.episodes_per_sample,
+                                        _seated(assignment, held, label),
+                                        lambda prompts, seed: generate(prompts, seed, self.eval.temperature),
+                                        seed=rollout.derive_seed(self.seed, "eval", ""), first_episode=0)
+            if not label:
+                played = episodes
             prefix = f"eval/{label}/" if label else "eval/"
             metrics.update({prefix + k: v for k, v in summarise(episodes, self.eval.pass_k).items()})
             values[label] = per_episode(episodes)

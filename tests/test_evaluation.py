@@ -132,9 +132,17 @@ def test_partners_held_at_initial_weights_really_are(tmp_path):
         agent["optimizer"]["weight_decay"] = 0.1  # every update moves the weights
     with Coordinator(validate_config(raw), tmp_path) as coord:
         initial = coord.parameters_digests(["a"])["a"]
+        asked, generate = [], coord.generate
+        coord.generate = lambda prompts, *a, **k: asked.append((coord.step, sorted(prompts))) or generate(prompts, *a, **k)
         coord.run()
         digests = coord.parameters_digests(["a", "a@a_initial"])
     assert digests["a"] != initial and digests["a@a_initial"] == initial
+    # before any update the partner setting is the trained one: reused, not played again; after, it is played
+    partner_calls = {step for step, agents in asked if "a@a_initial" in agents}
+    assert partner_calls == {2}
+    first, last = eval_rows(tmp_path)
+    assert first["eval/a_initial/reward/mean"] == first["eval/reward/mean"]
+    assert last["eval/a_initial/episodes"] == last["eval/episodes"]
 
 
 def test_a_kill_during_evaluation_resumes_to_the_same_records(tmp_path):
@@ -171,8 +179,10 @@ def test_marsi_eval_on_a_finished_run_and_on_a_config(tmp_path):
     written = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [w["checkpoint"] for w in written] == ["initial", "last"] and len(written[0]["episodes"][""]["reward/mean"]) == 8
     assert [w["step"] for w in written] == [0, 2]
-    out = marsi("eval", tmp_path / "run", "--compare", "initial", "last", "--metric", "episode/hits")
+    out = marsi("eval", tmp_path / "run", "--compare", "initial", "last", "--metric", "episode/hits",
+                "eval.partners={b_initial: {b: initial}}")
     assert out.returncode == 0 and "episode/hits last (step 2) - initial: " in out.stdout, out.stderr
+    assert "b_initial: episode/hits last (step 2) - initial: " in out.stdout  # a by itself, beside b as it began
     out = marsi("eval", write(tmp_path, raw, "alone.yaml"))
     assert out.returncode == 0, out.stderr
     table = [line for line in out.stdout.splitlines() if not line.startswith("marsi: ")]

@@ -85,13 +85,19 @@ def test_check_env_catches_broken_environments(env, message):
         check_env(env, [{}])
 
 
-def test_custom_coordinator_script_runs_and_resumes_exactly(tmp_path):
+def test_custom_coordinator_script_runs_and_resumes_exactly(ray_cluster, tmp_path):
+    import os
     import subprocess
     import sys
 
+    import ray
+
+    # each run of the script joins the session's cluster (RAY_ADDRESS), as a driver on a running cluster does
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+
     def script(*args, cwd):
         out = subprocess.run([sys.executable, str(EXAMPLES / "custom_coordinator.py"), *map(str, args)], cwd=cwd,
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr
         return [line for line in out.stdout.splitlines() if line.startswith(("step", "run dir"))]
 

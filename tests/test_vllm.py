@@ -292,14 +292,11 @@ def test_self_play_and_a_frozen_agent_sync_after_every_update_and_survive_a_kill
             assert max(parity(coord).values()) < PARITY, step
         victim = coord.pool.info()["solo"]["pid"]
         os.kill(victim, signal.SIGKILL)
-        coord.run(until=3)  # generate fails, every trainer restarts and restores step 2, step 3 runs
+        coord.run(until=3)  # generate fails, every trainer restarts (fresh engines) and restores step 2
         assert coord.restarts == 1 and coord.pool.info()["solo"]["pid"] != victim
-        assert max(parity(coord).values()) < PARITY
-    assert rows(tmp_path) == reference[:3]  # with Ray, killed and restored: the in-process run's metrics
-    with Coordinator.resume(tmp_path) as coord:  # resume from the step-3 checkpoint: fresh engines
-        assert max(parity(coord).values()) < PARITY
+        assert max(parity(coord).values()) < PARITY  # the restored weights reached the fresh engines
         coord.run()
-    assert rows(tmp_path) == reference
+    assert rows(tmp_path) == reference  # with Ray, killed and restored: the in-process run's metrics
     assert reference[-1]["trained"] == ["solo"] and "rollout/logp_gap/solo" in reference[-1]
     assert reference[-1]["rollout/logp_gap_max/solo"] < PARITY
 
