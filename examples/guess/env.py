@@ -11,7 +11,7 @@ Other ways of conveying it are plays of the game, as in Taboo (a synonym, a rhym
 only the guess is scored. The describer never sees the options.
 
 The held-out split is words: evaluation rows draw the secret word and all three distractors from
-`HELD_OUT`, 24 words no training row uses in any role. Describing an unseen word so that it can be
+`HELD_OUT`, 48 words no training row uses in any role. Describing an unseen word so that it can be
 told apart, and picking the option a description fits, are rules that transfer; a table does not.
 
 episode_info: `guess_correct` (also `success`), `said_word` (the description named the word, masked),
@@ -35,7 +35,9 @@ TRAIN = ("apple banana bread cheese egg lemon milk orange cake rice soup tea "
          "sun moon star rain snow tree flower river mountain ocean").split()
 HELD_OUT = ("carrot grape honey pizza frog monkey elephant owl whale shark "
             "desk oven fork bottle glove sock ladder kite violin drum "
-            "cloud island volcano desert").split()
+            "cloud island volcano desert "
+            "potato tomato cookie butter peach onion penguin turtle camel zebra spider bee "
+            "bucket hammer brush basket piano guitar helmet wallet towel tent forest beach").split()
 MASK = "___"
 OPTIONS = 4
 
