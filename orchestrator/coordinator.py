@@ -29,7 +29,7 @@ from orchestrator.advantages import Baselines, experiences_by_agent, saved_basel
 from orchestrator.console import phase, progress
 from orchestrator.credit import CriticCredit
 from orchestrator.data import DataPosition, load_samples
-from orchestrator.evaluation import EvalResult, Evaluation, partner_agents
+from orchestrator.evaluation import EvalResult, Evaluation, partner_agents, partner_seats
 from orchestrator.pipeline import AsyncRollouts, SyncRollouts, kept_rollouts
 from orchestrator.runlog import (
     EVAL_TRANSCRIPTS, CheckpointName, RunDirError, RunLog, agent_files, as_checkpoint, checkpoint_problem,
@@ -91,6 +91,7 @@ class Coordinator:
         if self.evaluation and (warning := self.evaluation.greedy_copies()):
             say(warning)
         self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat
+        self.sits_in_for = partner_seats(config)  # partner trainer -> the agent whose seeds it samples with
         self.eval_results: list[tuple[int, EvalResult]] = []  # (step, result) of each evaluation run here, in order
         self.critics = critic_members(config)  # critic -> the agents it values (algorithm.baseline: critic)
         self.members = [*config.agents, *self.critics]  # what a checkpoint holds: every agent and critic
@@ -293,7 +294,8 @@ class Coordinator:
         overrides the agents' own (0: greedy); completions carry the temperature they were drawn at."""
         self._known(prompts, "generate")
         start = time.perf_counter()
-        requests = {a: GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a), temperature=temperature)
+        requests = {a: GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, self.sits_in_for.get(a, a)),
+                                       temperature=temperature)
                     for a, p in prompts.items() if p}
         results = self.pool.each(Agent.generate, requests, timeout=self.config.train.call_timeout_s)
         self._seconds["generate"] += time.perf_counter() - start

@@ -5,11 +5,11 @@ An evaluation plays `eval.episodes_per_sample` episodes from each held-out sampl
 environment kwargs and temperature (0: greedy), under the run's role rotation, once as trained and once
 per partner setting: `eval.partners: {label: {agent: initial | scripted | DIR}}` seats that agent at its
 initial weights, as the environment's scripted player, or with the weights in DIR (extra frozen
-trainers named `agent@label`). Its seeds are the same at every evaluation and in every setting, so two
-evaluations of one run, or two settings of one evaluation, differ only by the weights (common random
-numbers); at the initial weights a setting that holds agents at `initial` is the trained setting and
-is not played twice. It touches no training state: no data position, episode count, baseline or
-trainer RNG.
+trainers named `agent@label`). Its seeds are the same at every evaluation and in every setting (a partner
+trainer samples with the seeds of the agent it sits in for), so two evaluations of one run, or two
+settings of one evaluation, differ only by the weights (common random numbers); at the initial weights a
+setting that holds agents at `initial` is the trained setting and is not played twice. It touches no
+training state: no data position, episode count, baseline or trainer RNG.
 
 Metrics, under `eval/` (`eval/LABEL/` for a partner setting): `reward/mean` (the shared reward; in
 per-role games the mean over roles) and `reward/ROLE`, `episode/KEY` for every `episode_info` entry,
@@ -52,6 +52,12 @@ def partner_agents(config: RunConfig) -> dict[str, AgentConfig]:
                 # initial: the agent's own adapter settings, as it started (a fresh adapter, or adapter.path)
                 out[f"{agent}{PARTNER}{label}"] = own.model_copy(update=update)
     return out
+
+
+def partner_seats(config: RunConfig) -> dict[str, str]:
+    """Each partner trainer -> the agent it sits in for: it samples with that agent's seeds (common random numbers)."""
+    return {f"{agent}{PARTNER}{label}": agent for label, held in (config.eval.partners if config.eval else {}).items()
+            for agent, weights in held.items() if weights != "scripted"}
 
 
 def _model_dir(path: str) -> str:
