@@ -138,10 +138,7 @@ def run(driver: int, session_dir: str) -> int:
     known = set(roots)
     while known:
         if os.getppid() != driver:  # the driver is gone: this process has a new parent
-            count = end_all(known)
-            if count:
-                print(f"marsi: the coordinator (pid {driver}) died without stopping its Ray cluster; ended its "
-                      f"{count} remaining Ray processes", file=sys.stderr, flush=True)
+            _report_orphaned(driver, end_all(known))
             return 0
         table = process_table()
         known = with_descendants(known, table)
@@ -156,9 +153,18 @@ def _after_shutdown(driver: int, known: set[Key]) -> int:
     while known and time.monotonic() < deadline and os.getppid() == driver:
         time.sleep(POLL_S)
         known = with_descendants(known, process_table())
-    if known:
-        end_all(known)
+    count = end_all(known) if known else 0
+    if os.getppid() != driver:  # the driver died during the grace period
+        _report_orphaned(driver, count)
     return 0
+
+
+def _report_orphaned(driver: int, count: int) -> None:
+    """One line on stderr once the driver died first, whichever of the cluster's processes went first: Ray's own
+    processes often notice a dead driver and end within a poll, leaving nothing to kill."""
+    what = f"ended its {count} remaining Ray processes" if count else "its Ray processes had already ended"
+    print(f"marsi: the coordinator (pid {driver}) died without stopping its Ray cluster; {what}", file=sys.stderr,
+          flush=True)
 
 
 if __name__ == "__main__":
