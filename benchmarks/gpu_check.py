@@ -14,7 +14,7 @@ A. HF engine (marsi's decode loop on the learner's own weights), float32 without
 B. bfloat16 under autocast over float32 master weights: after one update every parameter and the Adam state
    are still float32 and moved, the loss is finite, the behaviour gap is printed; the update's time against
    float32's on the same batch.
-C. `dtype: auto` on this GPU resolves to bfloat16 (compute capability 8.0 or later).
+C. `dtype: auto` on this GPU (bf16 native from compute capability 8.0) is decided by measuring this model's shapes.
 With vLLM's GPU build installed (the `vllm-gpu` extra), also:
 
 1. fp32 engine (weights float32, no TF32): after each of two updates (the tied embedding changes), the
@@ -177,9 +177,10 @@ def check_bf16_update(args) -> bool:
 def check_auto_precision(args) -> bool:
     from agent_trainer.precision import choose
 
+    start = time.perf_counter()
     chosen = choose("auto", torch.device("cuda" if GPU else "cpu"), model=args.model)
-    print(f"[C: dtype auto] {chosen.dtype} ({chosen.reason})", flush=True)
-    return chosen.dtype == "bfloat16" or not GPU
+    print(f"[C: dtype auto] {chosen.dtype} ({chosen.reason}; decided in {time.perf_counter() - start:.2f} s)", flush=True)
+    return "measured" in chosen.reason or not GPU
 
 
 def check_sync(args) -> bool:

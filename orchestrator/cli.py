@@ -317,7 +317,7 @@ def _print_precision(config, joins: str | None) -> None:
     their own device when the run starts: the same unless they run on another node or a GPU this machine lacks."""
     import torch
 
-    from agent_trainer.precision import capabilities, describe, native_bf16, resolve
+    from agent_trainer.precision import MEASURED, capabilities, describe, native_bf16, resolve
 
     here = {kind: capabilities(kind) for kind in ("cpu", "cuda") if kind == "cpu" or torch.cuda.is_available()}
     cells = []
@@ -327,7 +327,9 @@ def _print_precision(config, joins: str | None) -> None:
             cells.append(f"{name}: {agent.dtype} (decided on the trainer's GPU at start; this machine has none)")
             continue
         dtype, reason = resolve(agent.dtype, caps, model=agent.model)
-        if dtype == "bfloat16" and native_bf16(caps) is None:
+        if dtype == MEASURED:
+            dtype, reason = "bfloat16 or float32", f"{reason}; the faster on this model, measured when the trainer starts"
+        elif dtype == "bfloat16" and native_bf16(caps) is None:
             reason += "; emulated here, often several times slower than float32: auto or float32 fits"
         cells.append(f"{name}: {dtype} ({reason})")
     elsewhere = "; trainers on other nodes decide on theirs at start" if joins else ""

@@ -253,10 +253,12 @@ class AgentConfig(_Strict):
     tokenizer: str | None = None
     """Tokenizer path or hub id; None: the model's."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Compute dtype. `auto`, decided where the trainer runs, on its device: bfloat16 where the device computes it
-    natively (a CUDA GPU of compute capability 8.0 or later; a CPU with AVX-512 BF16 or AMX), float16 with loss
-    scaling on an older GPU, float32 otherwise; `builtin:tiny` stays float32 (bf16 gains nothing at its size, and
-    the demo's recorded figures are float32). The run prints which dtype each agent got and why. An explicit
+    """Compute dtype. `auto`, decided where the trainer runs, on its device: where the device computes bfloat16
+    natively (a CUDA GPU of compute capability 8.0 or later; a CPU with AVX-512 BF16 or AMX), whichever of bfloat16
+    and float32 a short measurement of the agent's own shapes finds faster (bfloat16 only when at least 5% faster;
+    cached per machine and shape); float16 with loss scaling on an older GPU; float32 otherwise; `builtin:tiny`
+    stays float32 (bf16 gains nothing at its size, and the demo's recorded figures are float32). The run prints
+    which dtype each agent got, what was measured and why. An explicit
     bfloat16 on a device that only emulates it (often several times slower than float32) gets a warning at
     start with the slowdown measured there. A trainable agent keeps float32 master weights and optimizer state
     and computes in this dtype under autocast (float16 with loss scaling); a frozen agent stores its weights in

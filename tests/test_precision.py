@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agent_trainer import precision
-from agent_trainer.precision import Capabilities, cpu_report, resolve
+from agent_trainer.precision import MEASURED, Capabilities, cpu_report, decide, resolve
 from agent_trainer.trainer import AgentTrainer
 from orchestrator.coordinator import Coordinator
 from protocols.config import AgentConfig, AlgorithmConfig, validate_config
@@ -29,11 +29,11 @@ T4 = Capabilities(device="cuda", cpu_model="Intel Xeon", cpu_flags=frozenset({"a
 
 
 @pytest.mark.parametrize("caps, dtype, reason", [
-    (AVX512_BF16, "bfloat16", "auto: CPU has avx512_bf16 and amx_bf16"),
-    (ZEN4, "bfloat16", "auto: CPU has avx512_bf16"),
-    (AMX_ONLY, "bfloat16", "auto: CPU has amx_bf16"),
+    (AVX512_BF16, MEASURED, "auto: CPU has avx512_bf16 and amx_bf16"),
+    (ZEN4, MEASURED, "auto: CPU has avx512_bf16"),
+    (AMX_ONLY, MEASURED, "auto: CPU has amx_bf16"),
     (AVX2, "float32", "auto: CPU has neither avx512_bf16 nor amx_bf16"),
-    (A100, "bfloat16", "auto: GPU NVIDIA A100-SXM4-80GB computes bf16"),
+    (A100, MEASURED, "auto: GPU NVIDIA A100-SXM4-80GB computes bf16"),
     (T4, "float16", "auto: GPU Tesla T4 has no native bf16; float16 with loss scaling"),  # the CPU's flags don't count
 ])
 def test_auto_follows_what_the_device_reports(caps, dtype, reason):
@@ -45,6 +45,41 @@ def test_an_explicit_dtype_and_the_tiny_builtin_are_left_as_they_are(caps):
     assert resolve("float32", caps, model=MODEL) == ("float32", "as configured")
     assert resolve("bfloat16", caps, model=MODEL) == ("bfloat16", "as configured")
     assert resolve("auto", caps, model="builtin:tiny") == ("float32", "auto: builtin:tiny stays float32")
+
+
+@pytest.mark.parametrize("float32_s, bfloat16_s, dtype", [
+    (2.3, 1.0, "bfloat16"),    # an AMD EPYC with avx512_bf16 (SmolLM2)
+    (1.0, 1.1, "float32"),     # an Intel Xeon with the same flag
+    (1.0, 0.97, "float32"),    # within the margin: float32, at most 5% slower than bf16
+    (1.0, 0.95, "bfloat16"),
+])
+def test_where_bf16_is_native_auto_takes_the_dtype_measured_faster(float32_s, bfloat16_s, dtype):
+    chosen, reason = decide(float32_s, bfloat16_s, "CPU has avx512_bf16")
+    assert chosen == dtype
+    assert reason == f"auto: CPU has avx512_bf16; bf16 measured {float32_s / bfloat16_s:.2f}x as fast as float32 on this " \
+                     "model's shapes"
+
+
+def test_the_measurement_is_real_cached_per_shape_and_survives_a_bad_cache_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("MARSI_CACHE", str(tmp_path / "cache"))
+    source = tiny_variant(tmp_path, "not-the-builtin")
+    calls = []
+    real = precision._time_one_layer
+    monkeypatch.setattr(precision, "_time_one_layer", lambda config, device: calls.append(config) or real(config, device))
+    first = precision.measure(source, torch.device("cpu"), ZEN4)
+    assert len(calls) == 1 and all(s > 0 for s in first)
+    assert precision.measure(source, torch.device("cpu"), ZEN4) == first and len(calls) == 1  # a restart reads it
+    assert precision.measure(source, torch.device("cpu"), AVX512_BF16) and len(calls) == 2  # another machine measures
+    (entry,) = [f for f in (tmp_path / "cache" / "precision").iterdir() if json_of(f)["key"]["machine"].startswith(
+        "CPU AMD")]
+    entry.write_text("{not json")
+    assert precision.measure(source, torch.device("cpu"), ZEN4) and len(calls) == 3  # measured again, not raised
+
+
+def json_of(path):
+    import json
+
+    return json.loads(path.read_text())
 
 
 def test_auto_is_the_default_and_validated():
@@ -66,6 +101,7 @@ def test_cpu_flags_are_read_from_cpuinfo_on_x86_and_arm():
 
 def test_the_trainer_resolves_auto_on_its_own_device_and_its_model_follows(tmp_path, monkeypatch):
     source = tiny_variant(tmp_path, "not-the-builtin")
+    monkeypatch.setattr(precision, "measure", lambda model, device, caps: (2.0, 1.0))  # bf16 measured 2x as fast
     for caps, dtype in ((ZEN4, torch.bfloat16), (AVX2, torch.float32)):
         monkeypatch.setattr(precision, "capabilities", lambda device, caps=caps: caps)
         frozen = AgentTrainer("judge", AgentConfig(model=source), AlgorithmConfig(), trainable=False)
@@ -83,7 +119,7 @@ def test_the_vllm_engine_gets_the_resolved_dtype_unless_it_names_its_own(monkeyp
     monkeypatch.setattr(engine_vllm, "VLLMEngine", lambda **kwargs: made.append(kwargs["dtype"]))
     for vllm in ({}, {"dtype": "float32"}):
         agent = AgentConfig(model=MODEL, rollout={"engine": "vllm", "vllm": vllm})
-        resolved = agent.model_copy(update={"dtype": resolve(agent.dtype, ZEN4, model=MODEL)[0]})  # as the trainer
+        resolved = agent.model_copy(update={"dtype": decide(2.0, 1.0, "")[0]})  # as the trainer where bf16 measured faster
         engine_kinds.make_engine(resolved, None, model_path=MODEL, tokenizer_path=MODEL, stop_ids=[], pad_id=0,
                             device=torch.device("cpu"), seed=0, autocast=None)
     assert made == ["bfloat16", "float32"]
