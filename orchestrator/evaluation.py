@@ -101,8 +101,9 @@ class Evaluation:
         for k in self.eval.pass_k:
             if k > self.eval.episodes_per_sample and k > max(tries.values(), default=0):
                 most = f" or a role's attempts ({', '.join(f'{r} {n}' for r, n in tries.items())})" if tries else ""
+                fix = "raise episodes_per_sample or eval.attempts, or drop k" if tries else "raise episodes_per_sample or drop k"
                 raise ConfigError(f"eval.pass_k: k={k} needs 1 <= k <= eval.episodes_per_sample "
-                                  f"({self.eval.episodes_per_sample}){most}; raise episodes_per_sample or drop k")
+                                  f"({self.eval.episodes_per_sample}){most}; {fix}")
         self.greedy_attempts = sorted(role for role, k in tries.items() if k > 1)
         samples = load_samples(self.eval.data, key="eval.data")
         self.samples = samples[:self.eval.max_samples] if self.eval.max_samples else samples

@@ -157,7 +157,7 @@ def attempt_infos_problem(infos: Any, attempts: dict[str, int]) -> str | None:
         if isinstance(info, dict) and "attempts" in info:
             tries = info["attempts"]
             if not isinstance(tries, list) or len(tries) != k or not all(isinstance(t, dict) for t in tries):
-                return f"infos[{role!r}]['attempts'] must be a list of {k} dicts (one per attempt), got {tries!r:.80}"
+                return f"infos[{role!r}] 'attempts' must be a list of {k} dicts (one per attempt), got {tries!r:.80}"
     return None
 
 

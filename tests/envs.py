@@ -194,3 +194,20 @@ def attempts_config(**sections) -> dict:
     """Agents p (proposer) and s (solver, 3 attempts per prompt by default) on AttemptsEnv."""
     return config(("p", "s"), roles={"proposer": "p", "solver": "s"},
                   environment={"name": f"{HERE / 'envs.py'}:AttemptsEnv", "kwargs": {}}, **sections)
+
+
+class FaultyAttemptsEnv(AttemptsEnv):
+    """AttemptsEnv that breaks the attempts interface in one way, named by `fault`."""
+
+    def __init__(self, fault=""):
+        self.fault = fault
+        if fault == "attempts_zero":
+            self.attempts = {"solver": 0}
+
+    def step(self, actions):
+        result = super().step(actions)
+        if "solver" in actions and self.fault == "rewards_short":
+            result.reward["solver"] = result.reward["solver"][:2]
+        if "solver" in actions and self.fault == "infos_short":
+            result.infos["solver"]["attempts"].pop()
+        return result
