@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from protocols.config import RunConfig, load_config
+from protocols.env import answers
 from protocols.errors import UserError, describe, one_line
 
 
@@ -350,8 +351,8 @@ def _acting_roles(coordinator, env) -> dict[int, set[str]]:
 
 def _trial_episode(env, sample, seed: int, attempts: dict[str, int]) -> tuple[dict[int, set[str]], dict]:
     """One episode of `env` on `sample`, played with the environment module's `sample_action(role, prompt, rng)`
-    when it has one, else empty answers (a role in `attempts`, role -> k: k of them): the roles that act on each
-    turn, and its episode_info."""
+    when it has one, else empty answers (k of them for a role in `attempts`): the roles that act on each turn, and
+    its episode_info."""
     import random
 
     module = sys.modules.get(type(env).__module__)
@@ -362,8 +363,7 @@ def _trial_episode(env, sample, seed: int, attempts: dict[str, int]) -> tuple[di
         if not prompts:
             break
         acting[turn] = set(prompts)
-        result = env.step({role: [act(role, prompt, rng) for _ in range(attempts[role])] if role in attempts
-                           else act(role, prompt, rng) for role, prompt in prompts.items()})
+        result = env.step(answers(prompts, attempts, lambda role, prompt: act(role, prompt, rng)))
         if result.terminated or result.truncated:
             break
         prompts = result.prompts

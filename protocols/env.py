@@ -74,6 +74,12 @@ class Environment(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no scripted player (define scripted_action)")
 
 
+def answers(prompts: dict[str, Prompt], attempts: dict[str, int], act: Any) -> dict[str, str | list[str]]:
+    """What `step` takes: `act(role, prompt)` for each acting role; a role in `attempts` (role -> k) gets a list of k."""
+    return {role: [act(role, prompt) for _ in range(attempts[role])] if role in attempts else act(role, prompt)
+            for role, prompt in prompts.items()}
+
+
 # ------------------------------------------------------------------------------------- contract checks
 # Each returns why a value breaks the interface (one phrase), or None; `check_env` and the rollout share them.
 def env_problem(env: Any) -> str | None:

@@ -6,7 +6,8 @@ import random
 from typing import Any, Callable
 
 from protocols.env import (
-    Environment, StepResult, as_reward, attempt_infos_problem, env_problem, episode_info_problem, prompts_problem,
+    Environment, StepResult, answers, as_reward, attempt_infos_problem, env_problem, episode_info_problem,
+    prompts_problem,
 )
 
 
@@ -49,8 +50,7 @@ def play_episode(env: Environment, sample: dict[str, Any], seed: int, action_fn:
         raise EnvCheckError(f"{where} reset: no role acts on the first turn")
     turns = []
     for turn in range(env.max_turns + 1):
-        actions = {role: [action_fn(role, prompt, rng) for _ in range(env.attempts[role])] if role in env.attempts
-                   else action_fn(role, prompt, rng) for role, prompt in prompts.items()}
+        actions = answers(prompts, env.attempts, lambda role, prompt: action_fn(role, prompt, rng))
         try:
             result = env.step(actions)
         except Exception as exc:  # the interface forbids raising on model text

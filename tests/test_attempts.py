@@ -188,6 +188,16 @@ def test_a_bad_k_is_refused_by_marsi_run_too(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_vllm_agents_cache_holds_its_attempts_rows():
+    raw = attempts_config()
+    raw["roles"]["attempts"] = {"solver": 4}
+    for agent in raw["agents"].values():
+        agent["rollout"] = {"engine": "vllm"}
+    agents = validate_config(raw).agents
+    assert agents["s"].rollout.vllm.kv_cache_sequences == 2 * 2 * 4  # batch_size x num_generations x k
+    assert agents["p"].rollout.vllm.kv_cache_sequences == 2 * 2
+
+
 def test_algorithm_agents_names_defined_agents():
     raw = attempts_config(algorithm={"agents": {"zed": {"baseline": "ema"}}})
     with pytest.raises(Exception, match="algorithm.agents: agent 'zed' is not defined; defined agents: p, s"):
