@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import subprocess
 
 import pytest
 
@@ -21,7 +19,7 @@ from protocols.env_checker import EnvCheckError, check_env
 from protocols.messages import Completion
 from tests.envs import HERE, AttemptsEnv, FaultyAttemptsEnv, attempts_config, letters
 from tests.errors_doc import assert_documented
-from tests.runs import MARSI, marsi, rows, sigkill_a_run_after, uninterrupted_rows, without_times, write
+from tests.runs import killed_and_resumed, marsi, rows, uninterrupted_rows, write
 
 SEATS = {"proposer": "p", "solver": "s"}
 
@@ -269,12 +267,7 @@ def test_a_killed_asynchronous_run_with_attempts_resumes_to_the_same_metrics(tmp
                           train={"steps": 4, "max_staleness": 1, "checkpoint_every": 1, "keep_checkpoints": 5})
     uninterrupted = uninterrupted_rows(validate_config(raw), tmp_path / "whole")
     assert [m["trained"] for m in uninterrupted] == [["p"], ["s"], ["p"], ["s"]]
-    run_dir = tmp_path / "run"
-    sigkill_a_run_after(write(tmp_path, raw), run_dir)
-    assert len(rows(run_dir)) < 4
-    out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
-    assert without_times(rows(run_dir)) == uninterrupted
+    assert killed_and_resumed(write(tmp_path, raw), tmp_path / "run", 4) == uninterrupted
 
 
 def test_a_custom_loop_of_adapter_agents_plays_and_trains_attempts():
