@@ -83,12 +83,13 @@ class Coordinator:
         self.make_env = rollout.env_factory(config.environment.name, config.environment.kwargs)
         env = rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
         self.max_turns = env.max_turns
-        problem = seating_problem(config.roles, env.possible_agents) or attempts_problem(config, rollout.attempts_of(env))
+        listed = rollout.attempts_of(env)  # the environment's own attempts
+        problem = seating_problem(config.roles, env.possible_agents) or attempts_problem(config, listed)
         if problem:
             raise ConfigError(problem)
         self.attempts = rollout.attempts_of(env, config.roles.attempts)  # role -> k: who answers each prompt k times
         self.samples = load_samples(config.data)
-        self.evaluation = Evaluation(config, self.samples, rollout.attempts_of(env)) if config.eval else None
+        self.evaluation = Evaluation(config, self.samples, listed) if config.eval else None
         if self.evaluation and (warning := self.evaluation.greedy_copies()):
             say(warning)
         self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat

@@ -100,8 +100,10 @@ class Evaluation:
         tries = {**(listed or {}), **self.attempts}
         for k in self.eval.pass_k:
             if k > self.eval.episodes_per_sample and k > max(tries.values(), default=0):
-                most = f" or a role's attempts ({', '.join(f'{r} {n}' for r, n in tries.items())})" if tries else ""
-                fix = "raise episodes_per_sample or eval.attempts, or drop k" if tries else "raise episodes_per_sample or drop k"
+                most, fix = "", "raise episodes_per_sample or drop k"
+                if tries:
+                    most = f" or a role's attempts ({', '.join(f'{r} {n}' for r, n in tries.items())})"
+                    fix = "raise episodes_per_sample or eval.attempts, or drop k"
                 raise ConfigError(f"eval.pass_k: k={k} needs 1 <= k <= eval.episodes_per_sample "
                                   f"({self.eval.episodes_per_sample}){most}; {fix}")
         self.greedy_attempts = sorted(role for role, k in tries.items() if k > 1)
@@ -123,8 +125,9 @@ class Evaluation:
         seatings = len({tuple(sorted(s.items())) for s in roles.seatings()}) if roles.rotation == "per_episode" else 1
         if self.eval.temperature == 0 and self.greedy_attempts:
             role = self.greedy_attempts[0]
-            return (f"eval.temperature 0 with attempts ({role}): greedy decoding plays copies of each prompt's attempts "
-                    f"(their pass@k then equals pass@1); set eval.temperature above 0, or eval.attempts: {{{role}: 1}}")
+            return (f"eval.temperature 0 with attempts ({role}): greedy decoding plays copies of each prompt's "
+                    f"attempts (their pass@k then equals pass@1); set eval.temperature above 0, or eval.attempts: "
+                    f"{{{role}: 1}}")
         if self.eval.temperature > 0 or self.eval.episodes_per_sample <= seatings:
             return None
         return (f"eval.episodes_per_sample is {self.eval.episodes_per_sample} at eval.temperature 0: greedy decoding "

@@ -113,8 +113,9 @@ class Episode:
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Episode:
         """An ended episode from `record()`; its `env` only names the roles (it cannot be stepped)."""
-        turns = [Turn([Action(a["role"], a["agent"], a["prompt"], Completion(**a["completion"]), attempt=a.get("attempt"))
-                       for a in t["actions"]], t["reward"], t["infos"]) for t in record["turns"]]
+        turns = [Turn([Action(a["role"], a["agent"], a["prompt"], Completion(**a["completion"]),
+                              attempt=a.get("attempt")) for a in t["actions"]], t["reward"], t["infos"])
+                 for t in record["turns"]]
         return cls(index=record["index"], sample_index=record["sample_index"], env=RecordedRoles(record["roles"]),
                    turns=turns, terminated=record["terminated"], truncated=record["truncated"], info=record["info"])
 
@@ -225,7 +226,7 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
 
 
 def attempts_of(env: Environment, attempts: dict[str, int] | None = None) -> dict[str, int]:
-    """Role -> k of the roles that answer each prompt k times: the environment's `attempts`, with `attempts` over them."""
+    """Role -> k of the roles that answer each prompt k times: the environment's `attempts`, `attempts` over them."""
     return {**getattr(env, "attempts", {}), **(attempts or {})}
 
 

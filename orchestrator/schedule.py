@@ -73,7 +73,8 @@ def seating_problem(roles: RolesConfig, possible_agents: list[str]) -> str | Non
 def attempts_problem(config: RunConfig, listed: dict[str, int]) -> str | None:
     """Why `roles.attempts` or `eval.attempts` do not fit the environment's `attempts` (`listed`: a role it does not
     list answers once, and its step takes one answer), or why the run's credit cannot score attempts; or None."""
-    for key, wanted in (("roles.attempts", config.roles.attempts), ("eval.attempts", config.eval.attempts if config.eval else {})):
+    evaluated = config.eval.attempts if config.eval else {}
+    for key, wanted in (("roles.attempts", config.roles.attempts), ("eval.attempts", evaluated)):
         for role, k in wanted.items():
             if role not in listed:
                 return (f"{key}.{role}: {k}, but the environment's attempts do not list role {role!r} (they list "

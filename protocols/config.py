@@ -159,8 +159,9 @@ class VLLMConfig(_Strict):
     what `gpu_memory_utilization` leaves after the weights."""
     kv_cache_sequences: int | None = Field(None, ge=1)
     """On CPU without `kv_cache_gb`: how many whole sequences the KV cache holds. None: filled in when the run
-    config is read, train.batch_size x train.num_generations x the most roles this agent holds in one seating (the
-    most rows one of its generate calls has), capped at `max_num_seqs`; an agent used without a run config
+    config is read, train.batch_size x train.num_generations x the most roles this agent holds in one seating, a
+    role counted k times with `roles.attempts` (the most rows one of its generate calls has; an environment's own
+    attempts are not seen there), capped at `max_num_seqs`; an agent used without a run config
     (a plain AgentTrainer) gets `max_num_seqs`."""
     max_num_seqs: int = Field(64, ge=1)
     """Most sequences the engine decodes at once; a larger batch waits for a free slot."""
@@ -782,8 +783,8 @@ class RunConfig(_Strict):
                                  f"({', '.join(takers) or 'none'}); use round_robin for any number, or set schedule.order")
         known("algorithm.agents", list(self.algorithm.agents))
         if self.algorithm.agents and self.algorithm.baseline == "critic":
-            raise ValueError(f"algorithm.agents: {', '.join(self.algorithm.agents)} set their own baseline or groups, but "
-                             "with algorithm.baseline: critic every agent's credit comes from the critic; remove "
+            raise ValueError(f"algorithm.agents: {', '.join(self.algorithm.agents)} set their own baseline or groups, "
+                             "but with algorithm.baseline: critic every agent's credit comes from the critic; remove "
                              "algorithm.agents or set algorithm.baseline: group or ema")
         grouped = any(self.algorithm.for_agent(a).baseline == "group" for a in agents)
         if grouped and self.train.num_generations < 2:

@@ -75,7 +75,7 @@ class Environment(abc.ABC):
 
 
 def answers(prompts: dict[str, Prompt], attempts: dict[str, int], act: Any) -> dict[str, str | list[str]]:
-    """What `step` takes: `act(role, prompt)` for each acting role; a role in `attempts` (role -> k) gets a list of k."""
+    """What `step` takes: `act(role, prompt)` for each acting role; a role in `attempts` (role -> k) a list of k."""
     return {role: [act(role, prompt) for _ in range(attempts[role])] if role in attempts else act(role, prompt)
             for role, prompt in prompts.items()}
 
@@ -91,8 +91,8 @@ def env_problem(env: Any) -> str | None:
     if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
         return f"max_turns must be a positive int, got {turns!r}"
     attempts = getattr(env, "attempts", {})
-    if not isinstance(attempts, dict) or not all(
-            role in roles and isinstance(k, int) and not isinstance(k, bool) and k >= 1 for role, k in attempts.items()):
+    if not isinstance(attempts, dict) or not all(role in roles and isinstance(k, int) and not isinstance(k, bool)
+                                                 and k >= 1 for role, k in attempts.items()):
         return f"attempts must be a dict role -> k (an int >= 1) over possible_agents {list(roles)}, got {attempts!r}"
     return None
 

@@ -22,6 +22,7 @@ from tests.errors_doc import assert_documented
 from tests.runs import killed_and_resumed, marsi, rows, uninterrupted_rows, write
 
 SEATS = {"proposer": "p", "solver": "s"}
+HELD_OUT = {"factory": f"{HERE / 'envs.py'}:held_out"}
 
 
 def scripted(answers: dict[str, list[str]], calls: list):
@@ -66,15 +67,15 @@ def test_attempt_advantages_are_centred_within_the_k_and_the_proposer_groups_ove
     assert [e.advantage for e in out["s"]] == pytest.approx([1 / 3, -2 / 3, 1 / 3, 0, 0, 0])
     assert [e.advantage for e in out["p"]] == pytest.approx([1 / 6, -1 / 6])
     # scaled by the std of the k (population: sqrt(2) / 3), as GRPO does per prompt
-    std = math.sqrt(2) / 3
+    scaled = [c / (math.sqrt(2) / 3 + 1e-4) for c in (1 / 3, -2 / 3, 1 / 3)] + [0] * 3
     out = experiences_by_agent(play_two(), AlgorithmConfig(), {})
-    assert [e.advantage for e in out["s"]] == pytest.approx([c / (std + 1e-4) for c in (1 / 3, -2 / 3, 1 / 3)] + [0] * 3)
+    assert [e.advantage for e in out["s"]] == pytest.approx(scaled)
     assert [e.advantage for e in out["p"]] == pytest.approx([(1 / 6) / (1 / 6 + 1e-4), -(1 / 6) / (1 / 6 + 1e-4)])
     # each agent its own settings: the proposer unscaled here, then on an EMA baseline (from 0: its returns)
     own = AlgorithmConfig(agents={"p": {"scale_rewards": False}})
     out = experiences_by_agent(play_two(), own, {})
     assert [e.advantage for e in out["p"]] == pytest.approx([1 / 6, -1 / 6])
-    assert [e.advantage for e in out["s"]] == pytest.approx([c / (std + 1e-4) for c in (1 / 3, -2 / 3, 1 / 3)] + [0] * 3)
+    assert [e.advantage for e in out["s"]] == pytest.approx(scaled)
     baselines = {}
     out = experiences_by_agent(play_two(), AlgorithmConfig(agents={"p": {"baseline": "ema"}}), baselines)
     assert [e.advantage for e in out["p"]] == pytest.approx([1 / 3, 0.0]) and list(baselines) == ["p"]
@@ -119,6 +120,20 @@ def test_evaluation_reports_pass_at_k_over_each_prompts_attempts():
     assert "pass@1" not in out  # no episode reports success: nothing over episodes
 
 
+def test_evaluation_plays_the_training_k_unless_eval_attempts_says_otherwise(capsys):
+    """Four held-out samples, one episode each, answered by a scripted solver that is always right."""
+    answers = {"p": ["a"] * 4, "s": ["a"] * 12}
+    for attempts, rows_asked in (({}, 12), ({"solver": 1}, 4)):
+        raw = attempts_config(eval={"data": HELD_OUT, "pass_k": [1], "attempts": attempts})
+        coord = Coordinator(validate_config(raw))  # not started: no trainers, the generate is scripted
+        calls = []
+        generate = scripted(answers, calls)
+        result = coord.evaluation.run(lambda prompts, seed, temperature: generate(prompts, seed), coord.assignment)
+        assert len(calls[1]["s"]) == rows_asked and result.metrics["eval/pass@1/solver"] == 1.0
+        warned = "eval.temperature 0 with attempts (solver): greedy decoding plays copies" in capsys.readouterr().err
+        assert warned == (not attempts)
+
+
 def test_check_env_plays_attempts_roles_with_k_answers():
     seen = []
 
@@ -153,13 +168,12 @@ CASES = {  # case: (config, command)
     "attempts_below_one": (edit(lambda raw: raw["roles"].update(attempts={"solver": 0})), "validate"),
     "attempts_role_unseated": (edit(lambda raw: raw["roles"].update(attempts={"judge": 2})), "validate"),
     "attempts_role_not_listed": (edit(lambda raw: raw["roles"].update(attempts={"proposer": 2})), "validate"),
-    "eval_attempts_role_not_listed": (edit(lambda raw: raw.update(eval={"data": {"factory": f"{HERE / 'envs.py'}:held_out"},
-                                                                        "attempts": {"proposer": 2}})), "validate"),
+    "eval_attempts_role_not_listed": (
+        edit(lambda raw: raw.update(eval={"data": HELD_OUT, "attempts": {"proposer": 2}})), "validate"),
     "attempts_with_critic": (edit(lambda raw: raw.update(algorithm={"baseline": "critic"})), "validate"),
     "algorithm_agents_with_critic": (edit(lambda raw: raw.update(algorithm={"baseline": "critic", "agents": {
         "p": {"scale_rewards": False}}})), "validate"),
-    "pass_k_beyond_attempts": (edit(lambda raw: raw.update(eval={"data": {"factory": f"{HERE / 'envs.py'}:held_out"},
-                                                                 "pass_k": [4]})), "validate"),
+    "pass_k_beyond_attempts": (edit(lambda raw: raw.update(eval={"data": HELD_OUT, "pass_k": [4]})), "validate"),
     "env_attempts_not_positive": (faulty("attempts_zero"), "validate"),
     "env_attempt_rewards_miscounted": (faulty("rewards_short"), "run"),
     "env_attempt_infos_miscounted": (faulty("infos_short"), "run"),
@@ -203,7 +217,6 @@ def test_algorithm_agents_names_defined_agents():
 
 
 # ------------------------------------------------------------------------------- runs, through the CLI
-HELD_OUT = {"factory": f"{HERE / 'envs.py'}:held_out"}
 
 
 @pytest.fixture(scope="module")
