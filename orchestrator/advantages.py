@@ -5,9 +5,10 @@ Group baselines (GRPO) compare like with like: by default an action is compared 
 of the same agent, in the same role, at the same turn, in the episodes played from the same sample
 (AT-GRPO's grouping). An agent that plays two seats, or two turns whose returns differ by design
 (discount < 1, rewards paid on one turn), is otherwise scored against itself. `algorithm.group_by`
-names the wider pools. The k attempts of a role at one prompt (`roles.attempts`) are always a group of
-their own (TRL's group: the completions of one prompt), whatever `group_by` says: attempts at different
-prompts (a solver trying two proposed problems) are not like with like. `algorithm.agents` gives an agent
+names the wider pools. The k attempts of a role at one prompt (`roles.attempts`, k > 1) are always a group
+of their own (TRL's group: the completions of one prompt), whatever `group_by` says: attempts at different
+prompts (a solver trying two proposed problems) are not like with like; with k = 1 the one attempt groups
+as an answer does. `algorithm.agents` gives an agent
 its own baseline, `group_by` and `scale_rewards`.
 
 - `group_relative_advantages` follows GRPO (Shao et al., 2024, "DeepSeekMath"): reward minus the
@@ -36,7 +37,7 @@ its own baseline, `group_by` and `scale_rewards`.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
 
 from orchestrator.rollout import Episode
@@ -86,18 +87,19 @@ def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
 
 
 def scored_actions(episodes: list[Episode], algorithm: AlgorithmConfig) -> tuple[list, list[float], list, list]:
-    """Every action of `episodes`, its return, its group (sample, then its agent's `group_by` key; an attempt's:
+    """Every action of `episodes`, its return, its group (sample, then its agent's `group_by` key; an attempt's, k > 1:
     its episode, role and turn, the k attempts at that prompt) and its seat (agent, role, turn counted from 1)."""
     actions, returns, keys, seats = [], [], [], []
     group_keys = {}
     for episode in episodes:
         per_role = {r: discounted_returns(episode.role_rewards(r), algorithm.discount) for r in episode.env.possible_agents}
         for t, turn in enumerate(episode.turns):
+            tries = Counter(a.role for a in turn.actions if a.attempt is not None)  # role -> k at this prompt
             for action in turn.actions:
                 if action.agent not in group_keys:
                     group_keys[action.agent] = GROUP_KEYS[algorithm.for_agent(action.agent).group_by]
                 actions.append(action)
-                if action.attempt is None:
+                if tries[action.role] < 2:  # one answer (k = 1 too): grouped by `group_by`
                     returns.append(per_role[action.role][t])
                     keys.append((episode.sample_index, *group_keys[action.agent](action.agent, action.role, t)))
                 else:  # its own reward, then the role's later returns; grouped with the other attempts at its prompt

@@ -380,7 +380,7 @@ class AlgorithmConfig(_Strict):
     group_by: GroupBy = "agent_role_turn"
     """Which actions of one sample's episodes are compared: same agent, role and turn (like with like), or the
     wider pools `agent_role` (all turns of a role), `agent_turn` (all roles at a turn), `agent` (everything). The
-    k attempts of a role at one prompt (`roles.attempts`) are always a group of their own, whatever this says."""
+    k > 1 attempts of a role at one prompt (`roles.attempts`) are always a group of their own, whatever this says."""
     scale_rewards: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False: Dr. GRPO."""
     ema_decay: float = Field(0.95, ge=0.0, lt=1.0)

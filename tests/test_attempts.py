@@ -79,6 +79,10 @@ def test_attempt_advantages_are_centred_within_the_k_and_the_proposer_groups_ove
     baselines = {}
     out = experiences_by_agent(play_two(), AlgorithmConfig(agents={"p": {"baseline": "ema"}}), baselines)
     assert [e.advantage for e in out["p"]] == pytest.approx([1 / 3, 0.0]) and list(baselines) == ["p"]
+    # k = 1: no group of one (advantage 0 always); the one attempt groups over the sample's episodes, as an answer
+    one = play_two(attempts={"solver": 1}, solver=("a", "b"))
+    out = experiences_by_agent(one, AlgorithmConfig(scale_rewards=False), {})
+    assert [e.advantage for e in out["s"]] == pytest.approx([0.5, -0.5])
 
 
 def test_an_attempts_return_is_its_own_reward_plus_the_discounted_later_rewards():
