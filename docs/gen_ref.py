@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from orchestrator.cli import build_parser  # noqa: E402
 from protocols.config import RunConfig  # noqa: E402
 
-NAMED = {"agents", "hosts", "eval.partners"}
+NAMED = {"agents", "hosts", "eval.partners", "algorithm.agents"}
 """Mappings whose keys the user names: documented as NAME."""
 
 

@@ -5,7 +5,11 @@ Group baselines (GRPO) compare like with like: by default an action is compared 
 of the same agent, in the same role, at the same turn, in the episodes played from the same sample
 (AT-GRPO's grouping). An agent that plays two seats, or two turns whose returns differ by design
 (discount < 1, rewards paid on one turn), is otherwise scored against itself. `algorithm.group_by`
-names the wider pools.
+names the wider pools. The k attempts of a role at one prompt (`roles.attempts`, k > 1) are always a group
+of their own (TRL's group: the completions of one prompt), whatever `group_by` says: attempts at different
+prompts (a solver trying two proposed problems) are not like with like; with k = 1 the one attempt groups
+as an answer does. `algorithm.agents` gives an agent
+its own baseline, `group_by` and `scale_rewards`.
 
 - `group_relative_advantages` follows GRPO (Shao et al., 2024, "DeepSeekMath"): reward minus the
   mean of its group, divided by the group's std when `scale` (GRPO) or not (Dr. GRPO, Liu et al.,
@@ -20,7 +24,9 @@ names the wider pools.
   games before it in the batch; here a batch's n returns are all scored against b from before the
   batch, then b <- decay**n * b + (1 - decay**n) * mean(returns): the weight n sequential updates leave
   on the old b, the batch's returns weighted equally, so episode order never matters.
-- `discounted_returns`: G_t = r_t + discount * G_{t+1}, per role over an episode's turns.
+- `discounted_returns`: G_t = r_t + discount * G_{t+1}, per role over an episode's turns. An attempt's
+  return is its own reward at its turn plus the discounted later returns, in which an attempts role's
+  reward at a turn is the mean over its attempts.
 - `gae` is generalised advantage estimation (Schulman et al., 2016) over one (agent, role)'s decisions of an
   episode, for `algorithm.baseline: critic` (`orchestrator.credit`). Departure: decisions may be turns
   apart (roles that take turns), so decision k's reward is the discounted sum of the turn rewards up to the
@@ -31,7 +37,7 @@ names the wider pools.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
 
 from orchestrator.rollout import Episode
@@ -52,18 +58,25 @@ Baselines = dict[str, dict[str, dict[str, float]]]
 def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
                          baselines: Baselines) -> dict[str, list[Experience]]:
     """Every action as an Experience with its advantage, grouped by agent; each action's `advantage` is set too
-    (its transcript shows it). `baselines` is updated in place when `algorithm.baseline == "ema"`."""
+    (its transcript shows it). `baselines` is updated in place for the agents whose baseline is `ema`."""
     actions, returns, keys, seats = scored_actions(episodes, algorithm)
     if not actions:
         return {}
-    if algorithm.baseline == "group":
-        advantages = group_relative_advantages(returns, keys, scale=algorithm.scale_rewards)
-    else:
-        advantages = [0.0] * len(actions)
-        for agent, role, turn in dict.fromkeys(seats):
-            idx = [i for i, seat in enumerate(seats) if seat == (agent, role, turn)]
-            mine = baselines.setdefault(agent, {}).setdefault(role, {})
-            adv, mine[turn] = ema_advantages(mine.get(turn, 0.0), [returns[i] for i in idx], algorithm.ema_decay)
+    advantages = [0.0] * len(actions)
+    for agent in dict.fromkeys(a.agent for a in actions):
+        own = algorithm.for_agent(agent)
+        mine = [i for i, a in enumerate(actions) if a.agent == agent]
+        if own.baseline == "group":
+            scored = group_relative_advantages([returns[i] for i in mine], [keys[i] for i in mine],
+                                               scale=own.scale_rewards)
+            for i, a in zip(mine, scored):
+                advantages[i] = a
+            continue
+        for seat in dict.fromkeys(seats[i] for i in mine):
+            _, role, turn = seat
+            idx = [i for i in mine if seats[i] == seat]
+            kept = baselines.setdefault(agent, {}).setdefault(role, {})
+            adv, kept[turn] = ema_advantages(kept.get(turn, 0.0), [returns[i] for i in idx], own.ema_decay)
             for i, a in zip(idx, adv):
                 advantages[i] = a
     out: dict[str, list[Experience]] = {}
@@ -74,17 +87,25 @@ def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
 
 
 def scored_actions(episodes: list[Episode], algorithm: AlgorithmConfig) -> tuple[list, list[float], list, list]:
-    """Every action of `episodes`, its return, its group (sample, then `algorithm.group_by`'s key) and its seat
-    (agent, role, turn counted from 1)."""
+    """Every action of `episodes`, its return, its group (sample, then its agent's `group_by` key; an attempt's, k > 1:
+    its episode, role and turn, the k attempts at that prompt) and its seat (agent, role, turn counted from 1)."""
     actions, returns, keys, seats = [], [], [], []
-    group_key = GROUP_KEYS[algorithm.group_by]
+    group_keys = {}
     for episode in episodes:
         per_role = {r: discounted_returns(episode.role_rewards(r), algorithm.discount) for r in episode.env.possible_agents}
         for t, turn in enumerate(episode.turns):
+            tries = Counter(a.role for a in turn.actions if a.attempt is not None)  # role -> k at this prompt
             for action in turn.actions:
+                if action.agent not in group_keys:
+                    group_keys[action.agent] = GROUP_KEYS[algorithm.for_agent(action.agent).group_by]
                 actions.append(action)
-                returns.append(per_role[action.role][t])
-                keys.append((episode.sample_index, *group_key(action.agent, action.role, t)))
+                if tries[action.role] < 2:  # one answer (k = 1 too): grouped by `group_by`
+                    returns.append(per_role[action.role][t])
+                    keys.append((episode.sample_index, *group_keys[action.agent](action.agent, action.role, t)))
+                else:  # its own reward, then the role's later returns; grouped with the other attempts at its prompt
+                    later = per_role[action.role][t + 1] if t + 1 < len(episode.turns) else 0.0
+                    returns.append(turn.reward_of(action.role, action.attempt) + algorithm.discount * later)
+                    keys.append((episode.sample_index, "attempts", episode.index, action.role, t))
                 seats.append((action.agent, action.role, str(t + 1)))
     return actions, returns, keys, seats
 

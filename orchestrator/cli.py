@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from protocols.config import RunConfig, load_config
+from protocols.env import answers
 from protocols.errors import UserError, describe, one_line
 
 
@@ -300,14 +301,16 @@ def cmd_validate(args) -> int:
         print(f"asynchronous rollouts: train.max_staleness {config.train.max_staleness}; each step's episodes are "
               f"played {coordinator.lag} step(s) ahead, while earlier steps update; rollout engines of their own: "
               f"{', '.join(apart) or 'none'}")
+    tries = {role: f" x{k}" for role, k in coordinator.attempts.items()}
+    marks = ", xK the roles that answer each prompt K times" if tries else ""
     print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "
-          "(* marks the roles that acted)")
+          f"(* marks the roles that acted{marks})")
     for step in range(min(args.steps, config.train.steps)):
         print(f"step {step + 1}: trains {', '.join(schedule.training_agents(step)) or '(none)'}")
         for episode in range(step * per_step, min(step * per_step + 2, (step + 1) * per_step)):
             turns = " | ".join(f"turn {t + 1}: " + " ".join(
-                f"{r}={a}{'*' if r in acting.get(t, ()) else ''}" for r, a in assignment(episode, t).items())
-                for t in range(env.max_turns))
+                f"{r}={a}{'*' if r in acting.get(t, ()) else ''}{tries.get(r, '')}"
+                for r, a in assignment(episode, t).items()) for t in range(env.max_turns))
             print(f"  episode {episode + 1}: {turns}")
     return 0
 
@@ -341,13 +344,15 @@ def _acting_roles(coordinator, env) -> dict[int, set[str]]:
     """Roles that act on each turn of a trial episode on the first sample (`_trial_episode`)."""
     from orchestrator.rollout import derive_seed
 
-    acting, _ = _trial_episode(env, coordinator.samples[0], derive_seed(coordinator.config.train.seed, 0))
+    acting, _ = _trial_episode(env, coordinator.samples[0], derive_seed(coordinator.config.train.seed, 0),
+                               coordinator.attempts)
     return acting
 
 
-def _trial_episode(env, sample, seed: int) -> tuple[dict[int, set[str]], dict]:
+def _trial_episode(env, sample, seed: int, attempts: dict[str, int]) -> tuple[dict[int, set[str]], dict]:
     """One episode of `env` on `sample`, played with the environment module's `sample_action(role, prompt, rng)`
-    when it has one, else empty answers: the roles that act on each turn, and its episode_info."""
+    when it has one, else empty answers (k of them for a role in `attempts`): the roles that act on each turn, and
+    its episode_info."""
     import random
 
     module = sys.modules.get(type(env).__module__)
@@ -358,7 +363,7 @@ def _trial_episode(env, sample, seed: int) -> tuple[dict[int, set[str]], dict]:
         if not prompts:
             break
         acting[turn] = set(prompts)
-        result = env.step({role: act(role, prompt, rng) for role, prompt in prompts.items()})
+        result = env.step(answers(prompts, attempts, lambda role, prompt: act(role, prompt, rng)))
         if result.terminated or result.truncated:
             break
         prompts = result.prompts
@@ -425,12 +430,13 @@ def _eval(args, target: Path) -> int:
 def _check_metric(metric: str, evaluation) -> None:
     """Refuse, before any evaluation runs, a --metric that is neither reward/mean nor episode/KEY for a KEY that
     the environment's episode_info reports (seen in a trial episode on the first evaluation sample)."""
-    from orchestrator.rollout import make_environment
+    from orchestrator.rollout import attempts_of, make_environment
     from protocols.config import ConfigError
 
     if metric == "reward/mean":
         return
-    _, info = _trial_episode(make_environment(evaluation.make_env), evaluation.samples[0], evaluation.seed)
+    env = make_environment(evaluation.make_env)
+    _, info = _trial_episode(env, evaluation.samples[0], evaluation.seed, attempts_of(env, evaluation.attempts))
     have = ", ".join(["reward/mean", *(f"episode/{k}" for k in sorted(info))])
     if not metric.startswith("episode/"):
         raise ConfigError(f"--metric {metric}: give reward/mean or episode/KEY; this environment reports {have}")

@@ -35,7 +35,7 @@ from orchestrator.runlog import (
     EVAL_TRANSCRIPTS, CheckpointName, RunDirError, RunLog, agent_files, as_checkpoint, checkpoint_problem,
     read_checkpoint_state, recorded_place,
 )
-from orchestrator.schedule import RoleAssignment, Schedule, seating_problem
+from orchestrator.schedule import RoleAssignment, Schedule, attempts_problem, seating_problem
 from orchestrator.staleness import rollout_lag
 from protocols.config import ConfigError, RunConfig, critic_members, load_config
 from protocols.errors import UserError
@@ -83,11 +83,13 @@ class Coordinator:
         self.make_env = rollout.env_factory(config.environment.name, config.environment.kwargs)
         env = rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
         self.max_turns = env.max_turns
-        problem = seating_problem(config.roles, env.possible_agents)
+        listed = rollout.attempts_of(env)  # the environment's own attempts
+        problem = seating_problem(config.roles, env.possible_agents) or attempts_problem(config, listed)
         if problem:
             raise ConfigError(problem)
+        self.attempts = rollout.attempts_of(env, config.roles.attempts)  # role -> k: who answers each prompt k times
         self.samples = load_samples(config.data)
-        self.evaluation = Evaluation(config, self.samples) if config.eval else None
+        self.evaluation = Evaluation(config, self.samples, listed) if config.eval else None
         if self.evaluation and (warning := self.evaluation.greedy_copies()):
             say(warning)
         self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat
@@ -348,10 +350,10 @@ class Coordinator:
             say(message)
 
     def play(self, samples: list[dict[str, Any]]) -> list[rollout.Episode]:
-        """`num_generations` episodes per sample, with the configured role assignment."""
+        """`num_generations` episodes per sample, with the configured role assignment and attempts."""
         episodes = rollout.play(self.make_env, samples, self.config.train.num_generations,
                                 self.assignment, self.generate, seed=self.config.train.seed,
-                                first_episode=self.state.episodes)
+                                first_episode=self.state.episodes, attempts=self.config.roles.attempts)
         self.state.episodes += len(episodes)
         return episodes
 
@@ -713,7 +715,7 @@ def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, 
             for a in turn.actions:
                 lengths[a.agent].append(len(a.completion.completion_ids))
                 actions += 1
-                invalid += bool(turn.infos.get(a.role, {}).get("invalid"))
+                invalid += bool(turn.info_of(a).get("invalid"))
     for agent, values in sorted(lengths.items()):
         metrics[f"completion_length/{agent}"] = statistics.fmean(values)
     metrics["turns/mean"] = statistics.fmean(len(e.turns) for e in episodes)

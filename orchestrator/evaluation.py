@@ -14,7 +14,9 @@ training state: no data position, episode count, baseline or trainer RNG.
 Metrics, under `eval/` (`eval/LABEL/` for a partner setting): `reward/mean` (the shared reward; in
 per-role games the mean over roles) and `reward/ROLE`, `episode/KEY` for every `episode_info` entry,
 each with a `.../stderr`, `episodes`, and where episodes report `success`, `pass@k` for the k asked
-(the unbiased estimator 1 - C(n-c, k) / C(n, k) per sample, averaged).
+(the unbiased estimator 1 - C(n-c, k) / C(n, k) per sample, averaged); where a role's attempts report
+`success` (`infos[role]["attempts"]`), `pass@k/ROLE`: the same estimator per prompt over its n attempts,
+averaged over prompts. Evaluation plays the training run's attempts unless `eval.attempts` says otherwise.
 
 Episodes of one sample are not independent (at temperature 0 with a deterministic environment they are
 copies), so every standard error and confidence interval is clustered per sample: computed over the
@@ -91,8 +93,20 @@ class EvalResult:
 class Evaluation:
     """The held-out set and the settings of one run's evaluations."""
 
-    def __init__(self, config: RunConfig, training_samples: list[dict[str, Any]]):
+    def __init__(self, config: RunConfig, training_samples: list[dict[str, Any]], listed: dict[str, int] | None = None):
+        """`listed`: the environment's own attempts (role -> k), which `roles.attempts` and `eval.attempts` override."""
         self.config, self.eval = config, config.eval
+        self.attempts = {**config.roles.attempts, **self.eval.attempts}  # over each evaluation environment's own
+        tries = {**(listed or {}), **self.attempts}
+        for k in self.eval.pass_k:
+            if k > self.eval.episodes_per_sample and k > max(tries.values(), default=0):
+                most, fix = "", "raise episodes_per_sample or drop k"
+                if tries:
+                    most = f" or a role's attempts ({', '.join(f'{r} {n}' for r, n in tries.items())})"
+                    fix = "raise episodes_per_sample or eval.attempts, or drop k"
+                raise ConfigError(f"eval.pass_k: k={k} needs 1 <= k <= eval.episodes_per_sample "
+                                  f"({self.eval.episodes_per_sample}){most}; {fix}")
+        self.greedy_attempts = sorted(role for role, k in tries.items() if k > 1)
         samples = load_samples(self.eval.data, key="eval.data")
         self.samples = samples[:self.eval.max_samples] if self.eval.max_samples else samples
         seen = {_row_key(row) for row in training_samples}
@@ -109,6 +123,11 @@ class Evaluation:
         draws at random (the standard errors are per sample, so copies only cost time)."""
         roles = self.config.roles
         seatings = len({tuple(sorted(s.items())) for s in roles.seatings()}) if roles.rotation == "per_episode" else 1
+        if self.eval.temperature == 0 and self.greedy_attempts:
+            role = self.greedy_attempts[0]
+            return (f"eval.temperature 0 with attempts ({role}): greedy decoding plays copies of each prompt's "
+                    f"attempts (their pass@k then equals pass@1); set eval.temperature above 0, or eval.attempts: "
+                    f"{{{role}: 1}}")
         if self.eval.temperature > 0 or self.eval.episodes_per_sample <= seatings:
             return None
         return (f"eval.episodes_per_sample is {self.eval.episodes_per_sample} at eval.temperature 0: greedy decoding "
@@ -134,7 +153,8 @@ class Evaluation:
                 episodes = rollout.play(self.make_env, self.samples, self.eval.episodes_per_sample,
                                         _seated(assignment, held, label),
                                         lambda prompts, seed: generate(prompts, seed, self.eval.temperature),
-                                        seed=rollout.derive_seed(self.seed, "eval", ""), first_episode=0)
+                                        seed=rollout.derive_seed(self.seed, "eval", ""), first_episode=0,
+                                        attempts=self.attempts)
             if not label:
                 played = episodes
             prefix = f"eval/{label}/" if label else "eval/"
@@ -189,9 +209,37 @@ def summarise(episodes: list[rollout.Episode], pass_k: list[int]) -> dict[str, f
         for e in episodes:
             per_sample.setdefault(e.sample_index, []).append(float(e.info.get("success", 0.0)))
         for k in pass_k:
+            if k > min(len(s) for s in per_sample.values()):
+                continue  # fewer episodes than k (k is for attempts)
             values = [pass_at_k(len(s), int(round(sum(s))), k) for s in per_sample.values()]
             out[f"pass@{k}"], out[f"pass@{k}/stderr"] = statistics.fmean(values), stderr(values)
+    for role, prompts in attempt_successes(episodes).items():
+        for k in pass_k:
+            if k > min(len(tries) for _, tries in prompts):
+                continue  # fewer attempts than k (k is for episodes or another role)
+            values = [pass_at_k(len(tries), int(round(sum(tries))), k) for _, tries in prompts]
+            out[f"pass@{k}/{role}"] = statistics.fmean(values)
+            out[f"pass@{k}/{role}/stderr"] = stderr(per_sample_means(values, [sample for sample, _ in prompts]))
     return out
+
+
+def attempt_successes(episodes: list[rollout.Episode]) -> dict[str, list[tuple[int, list[float]]]]:
+    """Per attempts role whose attempts report `success` anywhere: (sample, each attempt's success) of every prompt
+    it answered (an attempt that reports none counts 0)."""
+    found: dict[str, list[tuple[int, list[float]]]] = {}
+    reported = set()
+    for e in episodes:
+        for turn in e.turns:
+            prompts: dict[str, list[float]] = {}
+            for action in turn.actions:
+                if action.attempt is not None:
+                    info = turn.info_of(action)
+                    prompts.setdefault(action.role, []).append(float(info.get("success", 0.0)))
+                    if "success" in info:
+                        reported.add(action.role)
+            for role, tries in prompts.items():
+                found.setdefault(role, []).append((e.sample_index, tries))
+    return {role: prompts for role, prompts in found.items() if role in reported}
 
 
 def per_sample_means(values: list[float], samples: list[int]) -> list[float]:

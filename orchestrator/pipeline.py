@@ -159,7 +159,8 @@ class AsyncRollouts:
                 if data.epoch != epoch:
                     warn_epoch(coord)
                 episodes = rollout.play(coord.make_env, samples, cfg.num_generations, coord.assignment,
-                                        self._generate_for(step), seed=cfg.seed, first_episode=episodes_before)
+                                        self._generate_for(step), seed=cfg.seed, first_episode=episodes_before,
+                                        attempts=coord.config.roles.attempts)
                 after = episodes_before + len(episodes)
                 with self.cond:
                     self.played[step] = Played(step, before, episodes_before, copy.copy(data), after, episodes)

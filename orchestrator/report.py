@@ -12,7 +12,8 @@ fetched. Sections:
   eval.jsonl by checkpoint name), each metric as mean +- 95% confidence, as trained and per partner setting;
 - episodes: the training transcripts (transcripts.jsonl) and evaluation transcripts (eval_transcripts.jsonl),
   filtered by run, kind, step range, agent, role, lowest reward and text; each turn shows every action's
-  role, agent, policy version, prompt, completion and advantage, and the turn's reward. The filter is kept
+  role, agent, policy version, prompt, completion and advantage, and the turn's reward (a role's attempts at
+  one prompt together: the prompt once, then each attempt's completion, reward and advantage). The filter is kept
   in the address's fragment (`report.html#kind=train&reward_min=1`), so a view can be linked to;
 - each run's config.yaml and the environment's source (RUN_DIR/source/).
 """
@@ -261,14 +262,35 @@ SCRIPT = r"""
       const turn = el("div", {"class": "turn"});
       const reward = typeof t.reward === "object" ? JSON.stringify(t.reward) : number(t.reward);
       turn.appendChild(el("div", {"class": "meta"}, "turn " + (i + 1) + ": reward " + reward));
+      const shown = new Set();  // attempts roles already drawn: their k attempts go in one box, under one prompt
       for (const a of t.actions) {
+        if (shown.has(a.role)) continue;
+        const tries = t.actions.filter(b => b.role === a.role && b.attempt !== undefined && b.attempt !== null);
         const box = el("div", {"class": "action"});
-        const why = (t.infos[a.role] || {}).reason;
-        box.appendChild(el("div", {"class": "meta"}, a.role + " played by " + a.agent + " (policy version " +
-          (a.policy_version === null || a.policy_version === undefined ? "-" : a.policy_version) + "), advantage " +
-          number(a.advantage) + ", finished by " + a.finish_reason + (why ? "; invalid: " + why : "")));
-        box.appendChild(el("pre", {"class": "prompt"}, prompt(a.prompt)));
-        box.appendChild(el("pre", {"class": "completion"}, a.completion));
+        const version = a.policy_version === null || a.policy_version === undefined ? "-" : a.policy_version;
+        const why = b => {
+          const info = t.infos[b.role] || {};
+          const reason = (tries.length && info.attempts ? info.attempts[b.attempt] || {} : info).reason;
+          return reason ? "; invalid: " + reason : "";
+        };
+        const about = b => ", advantage " + number(b.advantage) + ", finished by " + b.finish_reason + why(b);
+        const head = a.role + " played by " + a.agent + " (policy version " + version + ")";
+        if (!tries.length) {
+          box.appendChild(el("div", {"class": "meta"}, head + about(a)));
+          box.appendChild(el("pre", {"class": "prompt"}, prompt(a.prompt)));
+          box.appendChild(el("pre", {"class": "completion"}, a.completion));
+        } else {
+          shown.add(a.role);
+          const own = typeof t.reward === "object" ? t.reward[a.role] : t.reward;
+          box.appendChild(el("div", {"class": "meta"}, head + ", " + tries.length + " attempts at one prompt"));
+          box.appendChild(el("pre", {"class": "prompt"}, prompt(a.prompt)));
+          for (const b of tries) {
+            const reward = Array.isArray(own) ? own[b.attempt] : own;
+            box.appendChild(el("div", {"class": "meta attempt"}, "attempt " + (b.attempt + 1) + ": reward " +
+              number(reward) + about(b)));
+            box.appendChild(el("pre", {"class": "completion"}, b.completion));
+          }
+        }
         turn.appendChild(box);
       }
       node.appendChild(turn);

@@ -1,16 +1,21 @@
-"""Play groups of episodes turn by turn, batching each turn's prompts per agent across all live episodes."""
+"""Play groups of episodes turn by turn, batching each turn's prompts per agent across all live episodes. A role with
+attempts (`Environment.attempts`, `roles.attempts`) has its prompt k times in its agent's batch: k actions, one per
+attempt, whose answers its episode's `step` gets together as a list."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import statistics
 import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from protocols.env import Environment, StepResult, as_reward, env_problem, episode_info_problem, prompts_problem
+from protocols.env import (
+    Environment, StepResult, as_reward, attempt_infos_problem, env_problem, episode_info_problem, prompts_problem,
+)
 from protocols.errors import UserError
 from protocols.messages import Completion, Prompt
 
@@ -27,13 +32,31 @@ class Action:
     completion: Completion
     advantage: float | None = None
     """Set when the action is scored for an update (orchestrator/advantages.py); None for evaluation episodes."""
+    attempt: int | None = None
+    """Which of its role's k attempts at this prompt (0 .. k-1); None for a role that answers once."""
 
 
 @dataclass
 class Turn:
     actions: list[Action]
-    reward: float | dict[str, float]
+    reward: float | dict[str, float | list[float]]
+    """As the environment returned it: shared, per role, and per attempt for an attempts role (a list of k)."""
     infos: dict[str, dict[str, Any]]
+
+    def reward_of(self, role: str, attempt: int | None = None) -> float:
+        """`role`'s reward at this turn: the shared one or its own; an attempts role's is that attempt's, or, without
+        an attempt, the mean over its attempts."""
+        value = self.reward.get(role, 0.0) if isinstance(self.reward, dict) else self.reward
+        if isinstance(value, list):
+            return value[attempt] if attempt is not None else statistics.fmean(value)
+        return value
+
+    def info_of(self, action: Action) -> dict[str, Any]:
+        """What the environment said of `action`: its role's infos, or its attempt's entry in them."""
+        info = self.infos.get(action.role, {})
+        if action.attempt is not None and "attempts" in info:
+            return info["attempts"][action.attempt]
+        return info
 
 
 @dataclass
@@ -58,8 +81,9 @@ class Episode:
         return self.terminated or self.truncated
 
     def role_rewards(self, role: str) -> list[float]:
-        """Per-turn reward seen by `role`: the shared reward, or its own in per-role games."""
-        return [t.reward.get(role, 0.0) if isinstance(t.reward, dict) else t.reward for t in self.turns]
+        """Per-turn reward seen by `role`: the shared reward, or its own in per-role games (an attempts role's: the
+        mean over its attempts)."""
+        return [t.reward_of(role) for t in self.turns]
 
     def total_reward(self) -> float | dict[str, float]:
         if any(isinstance(t.reward, dict) for t in self.turns):
@@ -83,14 +107,15 @@ class Episode:
                 "terminated": self.terminated, "truncated": self.truncated, "info": self.info,
                 "turns": [{"reward": t.reward, "infos": t.infos,
                            "actions": [{"role": a.role, "agent": a.agent, "prompt": a.prompt,
-                                        "completion": a.completion.model_dump()} for a in t.actions]}
+                                        "completion": a.completion.model_dump(), **_attempt(a)} for a in t.actions]}
                           for t in self.turns]}
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> Episode:
         """An ended episode from `record()`; its `env` only names the roles (it cannot be stepped)."""
-        turns = [Turn([Action(a["role"], a["agent"], a["prompt"], Completion(**a["completion"])) for a in t["actions"]],
-                      t["reward"], t["infos"]) for t in record["turns"]]
+        turns = [Turn([Action(a["role"], a["agent"], a["prompt"], Completion(**a["completion"]),
+                              attempt=a.get("attempt")) for a in t["actions"]], t["reward"], t["infos"])
+                 for t in record["turns"]]
         return cls(index=record["index"], sample_index=record["sample_index"], env=RecordedRoles(record["roles"]),
                    turns=turns, terminated=record["terminated"], truncated=record["truncated"], info=record["info"])
 
@@ -102,9 +127,14 @@ class Episode:
             "turns": [{"reward": t.reward, "infos": t.infos,
                        "actions": [{"role": a.role, "agent": a.agent, "prompt": a.prompt, "completion": a.completion.text,
                                     "finish_reason": a.completion.finish_reason, "advantage": a.advantage,
-                                    "policy_version": a.completion.policy_version} for a in t.actions]}
+                                    "policy_version": a.completion.policy_version, **_attempt(a)} for a in t.actions]}
                       for t in self.turns],
         }
+
+
+def _attempt(action: Action) -> dict[str, int]:
+    """The attempt index as records and transcripts carry it: only for an attempts role's actions."""
+    return {} if action.attempt is None else {"attempt": action.attempt}
 
 
 class RecordedRoles:
@@ -129,9 +159,11 @@ SCRIPTED = "<scripted>"
 
 def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num_generations: int,
          assignment: Callable[[int, int], dict[str, str]], generate: GenerateFn, *, seed: int,
-         first_episode: int) -> list[Episode]:
+         first_episode: int, attempts: dict[str, int] | None = None) -> list[Episode]:
     """Play `num_generations` episodes per sample until all end; one batched generate per turn for all agents.
-    A role seated to `SCRIPTED` is answered by its episode's `env.scripted_action`."""
+    A role seated to `SCRIPTED` is answered by its episode's `env.scripted_action`. A role in the environment's
+    `attempts`, or in `attempts` (role -> k, over the environment's), has its prompt k times in its agent's batch,
+    and its step entry is the list of the k answers."""
     episodes = []
     for s, sample in enumerate(samples):
         for g in range(num_generations):
@@ -144,34 +176,39 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
             episodes.append(episode)
     turn = 0
     while live := [e for e in episodes if not e.done]:
-        # every live episode's prompts, gathered per agent
-        wanted: dict[str, list[tuple[Episode, str, Prompt]]] = {}
+        # every live episode's prompts, gathered per agent (an attempts role's k times)
+        wanted: dict[str, list[tuple[Episode, str, Prompt, int | None]]] = {}
         for episode in live:
             seats = assignment(episode.index, turn)
+            tries = attempts_of(episode.env, attempts)
             for role, prompt in episode.prompts.items():
                 if role not in seats:
                     raise EnvironmentFault(f"{_where(episode, turn)}: role {role!r} has no agent in "
                                            f"roles.assignment ({', '.join(seats)}); seat every role the environment uses")
-                wanted.setdefault(seats[role], []).append((episode, role, prompt))
+                rows = range(tries[role]) if role in tries else [None]
+                wanted.setdefault(seats[role], []).extend((episode, role, prompt, attempt) for attempt in rows)
         scripted = wanted.pop(SCRIPTED, [])
-        completions = generate({agent: [p for _, _, p in items] for agent, items in wanted.items()},
+        completions = generate({agent: [p for _, _, p, _ in items] for agent, items in wanted.items()},
                                derive_seed(seed, first_episode, turn))
         if scripted:
             wanted[SCRIPTED] = scripted
-            completions[SCRIPTED] = [_scripted(episode, turn, role, prompt) for episode, role, prompt in scripted]
+            completions[SCRIPTED] = [_scripted(episode, turn, role, prompt) for episode, role, prompt, _ in scripted]
         # answers go back to their episodes
-        actions: dict[tuple[int, str], Action] = {}
+        actions: dict[tuple[int, str], list[Action]] = {}
         for agent, items in wanted.items():
-            for (episode, role, prompt), completion in zip(items, completions[agent]):
-                actions[episode.index, role] = Action(role, agent, prompt, completion)
+            for (episode, role, prompt, attempt), completion in zip(items, completions[agent]):
+                actions.setdefault((episode.index, role), []).append(Action(role, agent, prompt, completion,
+                                                                            attempt=attempt))
         for episode in live:
-            mine = [actions[episode.index, role] for role in episode.prompts]
-            result = _guard(episode, turn, "step", lambda: episode.env.step({a.role: a.completion.text for a in mine}))
+            mine = [a for role in episode.prompts for a in actions[episode.index, role]]
+            answers = {role: _answers(actions[episode.index, role]) for role in episode.prompts}
+            tries = attempts_of(episode.env, attempts)
+            result = _guard(episode, turn, "step", lambda: episode.env.step(answers))
             if not isinstance(result, StepResult):
                 _check(episode, turn, "step", f"must return a StepResult, got {type(result).__name__}")
-            reward, problem = as_reward(result.reward, episode.env.possible_agents)
+            reward, problem = as_reward(result.reward, episode.env.possible_agents, tries)
             _check(episode, turn, "step", problem or prompts_problem(result.prompts, episode.env.possible_agents)
-                   or (None if isinstance(result.infos, dict) else "infos must be a dict role -> dict"))
+                   or attempt_infos_problem(result.infos, tries))
             episode.turns.append(Turn(mine, reward, result.infos))
             episode.prompts = episode.next_prompts = result.prompts
             episode.terminated, episode.truncated = result.terminated, result.truncated
@@ -186,6 +223,16 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
                 episode.info = {k: float(v) for k, v in info.items()}
         turn += 1
     return episodes
+
+
+def attempts_of(env: Environment, attempts: dict[str, int] | None = None) -> dict[str, int]:
+    """Role -> k of the roles that answer each prompt k times: the environment's `attempts`, `attempts` over them."""
+    return {**getattr(env, "attempts", {}), **(attempts or {})}
+
+
+def _answers(actions: list[Action]) -> str | list[str]:
+    """What `step` gets from one role: its answer, or an attempts role's list of answers in attempt order."""
+    return actions[0].completion.text if actions[0].attempt is None else [a.completion.text for a in actions]
 
 
 def _scripted(episode: Episode, turn: int, role: str, prompt: Prompt) -> Completion:

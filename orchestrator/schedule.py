@@ -5,7 +5,7 @@ Both are pure functions of the step / episode / turn index, so a resumed run con
 
 from __future__ import annotations
 
-from protocols.config import RolesConfig, ScheduleConfig
+from protocols.config import RolesConfig, RunConfig, ScheduleConfig
 
 
 class Schedule:
@@ -67,4 +67,24 @@ def seating_problem(roles: RolesConfig, possible_agents: list[str]) -> str | Non
     unseated = [r for r in possible_agents if r not in seated]
     if unseated:
         return f"{key}: the environment's role {unseated[0]!r} has no seat; seat every role (role: agent)"
+    return None
+
+
+def attempts_problem(config: RunConfig, listed: dict[str, int]) -> str | None:
+    """Why `roles.attempts` or `eval.attempts` do not fit the environment's `attempts` (`listed`: a role it does not
+    list answers once, and its step takes one answer), or why the run's credit cannot score attempts; or None."""
+    evaluated = config.eval.attempts if config.eval else {}
+    for key, wanted in (("roles.attempts", config.roles.attempts), ("eval.attempts", evaluated)):
+        for role, k in wanted.items():
+            if role not in listed:
+                return (f"{key}.{role}: {k}, but the environment's attempts do not list role {role!r} (they list "
+                        f"{', '.join(listed) or 'none'}), so its step takes one answer from {role!r}; remove it, or "
+                        "list the role in the environment's attempts")
+    tries = {**listed, **config.roles.attempts}
+    several = next((role for role, k in tries.items() if k > 1), None)
+    if config.algorithm.baseline == "critic" and several is not None:
+        where = "roles.attempts" if several in config.roles.attempts else "the environment's attempts"
+        return (f"algorithm.baseline: critic values one answer per role and turn, but role {several!r} answers each "
+                f"prompt {tries[several]} times ({where}); set algorithm.baseline: group or ema, or "
+                f"roles.attempts.{several}: 1")
     return None

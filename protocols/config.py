@@ -159,8 +159,9 @@ class VLLMConfig(_Strict):
     what `gpu_memory_utilization` leaves after the weights."""
     kv_cache_sequences: int | None = Field(None, ge=1)
     """On CPU without `kv_cache_gb`: how many whole sequences the KV cache holds. None: filled in when the run
-    config is read, train.batch_size x train.num_generations x the most roles this agent holds in one seating (the
-    most rows one of its generate calls has), capped at `max_num_seqs`; an agent used without a run config
+    config is read, train.batch_size x train.num_generations x the most roles this agent holds in one seating, a
+    role counted k times with `roles.attempts` (the most rows one of its generate calls has; an environment's own
+    attempts are not seen there), capped at `max_num_seqs`; an agent used without a run config
     (a plain AgentTrainer) gets `max_num_seqs`."""
     max_num_seqs: int = Field(64, ge=1)
     """Most sequences the engine decodes at once; a larger batch waits for a free slot."""
@@ -297,6 +298,10 @@ class RolesConfig(_Strict):
     cycle: list[dict[str, str]] | None = None
     """Explicit cycle of seatings (needs a rotation); None: the rotations of `assignment` (role i gets role
     i+1's agent)."""
+    attempts: dict[str, int] = {}
+    """Role -> k: that role answers each of its prompts k times in one turn (its k attempts share the prompt, go in
+    one batched generate and are one advantage group), over the environment's own `attempts`, which must list the
+    role. {}: the environment's k."""
 
     @model_validator(mode="after")
     def _seatings(self) -> RolesConfig:
@@ -310,6 +315,11 @@ class RolesConfig(_Strict):
         if self.cycle and self.assignment is not None and self.assignment != self.cycle[0]:
             raise ValueError(f"roles.assignment: {self.assignment} differs from roles.cycle's first seating "
                              f"{self.cycle[0]}; drop roles.assignment or make them equal")
+        seated = self.seatings()[0]
+        for role, k in self.attempts.items():
+            problem = attempts_value_problem(f"roles.attempts.{role}", role, k, seated)
+            if problem:
+                raise ValueError(problem)
         return self
 
     def seatings(self) -> list[dict[str, str]]:
@@ -321,6 +331,16 @@ class RolesConfig(_Strict):
             return [dict(self.assignment)]
         agents = [self.assignment[r] for r in roles]
         return [{roles[i]: agents[(i + k) % len(roles)] for i in range(len(roles))} for k in range(len(roles))]
+
+
+def attempts_value_problem(key: str, role: str, k: int, seated: dict[str, str]) -> str | None:
+    """Why `key: k` cannot give `role` k attempts per prompt (k < 1, a role no seating seats), or None."""
+    if k < 1:
+        return f"{key}: {k}; a role answers each prompt k >= 1 times; give k >= 1, or remove it for the environment's k"
+    if role not in seated:
+        return (f"{key}: {k}, but no seating seats role {role!r} (seated: {', '.join(seated)}); fix the role's name "
+                "or remove it")
+    return None
 
 
 class ScheduleConfig(_Strict):
@@ -337,15 +357,30 @@ class ScheduleConfig(_Strict):
     """Agents that never update (opponents, judges)."""
 
 
+GroupBy = Literal["agent_role_turn", "agent_role", "agent_turn", "agent"]
+
+
+class AgentAlgorithmConfig(_Strict):
+    """One agent's own advantage settings (`algorithm.agents.NAME`); a setting left out is the run's (`algorithm`)."""
+
+    baseline: Literal["group", "ema"] | None = None
+    """This agent's baseline: `group` or `ema`; None: algorithm.baseline."""
+    group_by: GroupBy | None = None
+    """Which of this agent's actions of one sample's episodes are compared; None: algorithm.group_by."""
+    scale_rewards: bool | None = None
+    """Divide this agent's group-relative advantages by the group's std; None: algorithm.scale_rewards."""
+
+
 class AlgorithmConfig(_Strict):
     discount: float = Field(1.0, ge=0.0, le=1.0)
     """Return of turn t: sum over k >= t of discount**(k - t) * reward_k."""
     baseline: Literal["group", "ema", "critic"] = "group"
     """`group`: minus the group mean (GRPO). `ema`: minus an EMA of returns per (agent, role, turn) (SPIRAL's RAE).
     `critic`: GAE over turns against a learned value function (the `critic` section; docs/rl-maths.md)."""
-    group_by: Literal["agent_role_turn", "agent_role", "agent_turn", "agent"] = "agent_role_turn"
+    group_by: GroupBy = "agent_role_turn"
     """Which actions of one sample's episodes are compared: same agent, role and turn (like with like), or the
-    wider pools `agent_role` (all turns of a role), `agent_turn` (all roles at a turn), `agent` (everything)."""
+    wider pools `agent_role` (all turns of a role), `agent_turn` (all roles at a turn), `agent` (everything). The
+    k > 1 attempts of a role at one prompt (`roles.attempts`) are always a group of their own, whatever this says."""
     scale_rewards: bool = True
     """Divide group-relative advantages by the group's std (GRPO); False: Dr. GRPO."""
     ema_decay: float = Field(0.95, ge=0.0, lt=1.0)
@@ -358,6 +393,14 @@ class AlgorithmConfig(_Strict):
     """Passes over each batch of experiences per update (PPO epochs)."""
     loss_aggregation: Literal["token", "sequence"] = "token"
     """`token`: mean over all completion tokens of the batch (DAPO). `sequence`: mean per sequence, then over sequences (GRPO)."""
+    agents: dict[str, AgentAlgorithmConfig] = {}
+    """Agent name -> its own `baseline`, `group_by`, `scale_rewards` (e.g. a proposer on `ema` beside a solver on
+    `group`); the settings it leaves out, and every agent not named, follow the run's."""
+
+    def for_agent(self, agent: str) -> AlgorithmConfig:
+        """These settings with `agents[agent]`'s own applied."""
+        own = self.agents.get(agent)
+        return self if own is None else self.model_copy(update=own.model_dump(exclude_none=True))
 
 
 class CriticConfig(_Strict):
@@ -454,7 +497,11 @@ class EvalConfig(_Strict):
     environment_kwargs: dict[str, Any] = {}
     """Environment kwargs for evaluation, over `environment.kwargs` (e.g. {opponent: random})."""
     pass_k: list[int] = []
-    """k values of pass@k over each sample's episodes (unbiased estimator), where episodes report `success`."""
+    """k values of pass@k (unbiased estimator) over each sample's episodes, where episodes report `success`, and
+    over each prompt's attempts, where an attempts role's attempts report `success` (`eval/pass@k/ROLE`); each k
+    at most episodes_per_sample or some role's attempts."""
+    attempts: dict[str, int] = {}
+    """Role -> k for evaluation episodes, over roles.attempts and the environment's own; {}: as in training."""
     partners: dict[str, dict[str, str]] = {}
     """Extra evaluations, label -> {agent: `initial` | `scripted` | a checkpoint or model directory}: that agent
     plays at its initial weights, as the environment's scripted player, or with those weights; the others as trained."""
@@ -470,7 +517,7 @@ class EvalConfig(_Strict):
     @model_validator(mode="after")
     def _checks(self) -> EvalConfig:
         for k in self.pass_k:
-            if not 1 <= k <= self.episodes_per_sample:
+            if k < 1:
                 raise ValueError(f"eval.pass_k: k={k} needs 1 <= k <= eval.episodes_per_sample "
                                  f"({self.episodes_per_sample}); raise episodes_per_sample or drop k")
         for label in self.partners:
@@ -639,7 +686,8 @@ class RunConfig(_Strict):
             settings = agent.rollout.vllm
             if agent.rollout.engine != "vllm" or settings.kv_cache_gb is not None or settings.kv_cache_sequences:
                 continue
-            seats = max([sum(a == name for a in seating.values()) for seating in self.roles.seatings()] or [1])
+            seats = max([sum(self.roles.attempts.get(r, 1) for r, a in seating.items() if a == name)
+                         for seating in self.roles.seatings()] or [1])
             rows = self.train.batch_size * self.train.num_generations * max(1, seats)
             vllm = settings.model_copy(update={"kv_cache_sequences": min(rows, settings.max_num_seqs)})
             self.agents[name] = agent.model_copy(update={"rollout": agent.rollout.model_copy(update={"vllm": vllm})})
@@ -733,7 +781,13 @@ class RunConfig(_Strict):
             if len(takers) != 2:
                 raise ValueError(f"schedule.kind: alternate takes turns between two agents, got {len(takers)} "
                                  f"({', '.join(takers) or 'none'}); use round_robin for any number, or set schedule.order")
-        if self.algorithm.baseline == "group" and self.train.num_generations < 2:
+        known("algorithm.agents", list(self.algorithm.agents))
+        if self.algorithm.agents and self.algorithm.baseline == "critic":
+            raise ValueError(f"algorithm.agents: {', '.join(self.algorithm.agents)} set their own baseline or groups, "
+                             "but with algorithm.baseline: critic every agent's credit comes from the critic; remove "
+                             "algorithm.agents or set algorithm.baseline: group or ema")
+        grouped = any(self.algorithm.for_agent(a).baseline == "group" for a in agents)
+        if grouped and self.train.num_generations < 2:
             raise ValueError(
                 f"train.num_generations: group-relative advantages need at least 2 episodes per group "
                 f"(got {self.train.num_generations}); set train.num_generations >= 2 or algorithm.baseline=ema"
@@ -743,6 +797,10 @@ class RunConfig(_Strict):
             raise ValueError(problem)
         for label, held in (self.eval.partners if self.eval else {}).items():
             known(f"eval.partners.{label}", list(held))
+        for role, k in (self.eval.attempts if self.eval else {}).items():
+            problem = attempts_value_problem(f"eval.attempts.{role}", role, k, seatings[0])
+            if problem:
+                raise ValueError(problem)
         if self.eval and self.eval.partners and self.eval.partner_resources.num_workers > 1:
             raise ValueError(f"eval.partner_resources.num_workers: {self.eval.partner_resources.num_workers}; a partner "
                              "only generates for evaluations, on one worker; set eval.partner_resources.num_workers: 1")

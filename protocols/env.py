@@ -2,7 +2,9 @@
 
 Names follow PettingZoo: `possible_agents` are the environment's roles (marsi keeps "agent" for a
 trainable policy), `reset` and `step` drive an episode, `terminated` / `truncated` end it, `infos`
-carry per-role details. One turn: every acting role gets a prompt and answers with text.
+carry per-role details. One turn: every acting role gets a prompt and answers with text; a role listed in
+`attempts` answers its prompt k times in the turn (a solver trying one problem k times), and `step` gets the k
+answers together.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from protocols.messages import Prompt
 MAX_ABS_REWARD = 1e12
 """Rewards beyond this are refused as a bug (a sentinel value, an overflow): scale them down."""
 
-Reward = float | dict[str, float]
-"""A shared team reward, or one reward per role (zero-sum games)."""
+Reward = float | dict[str, float | list[float]]
+"""A shared team reward, or one reward per role (zero-sum games); a role listed in `attempts` may get a list of
+k rewards, one per attempt (one float: the same for every attempt)."""
 
 
 @dataclass
@@ -27,13 +30,16 @@ class StepResult:
     prompts: dict[str, Prompt]
     """Prompts of the roles that act next turn; empty when the episode ended."""
     reward: Reward
-    """This turn's reward: one float shared by all roles, or a float per role."""
+    """This turn's reward: one float shared by all roles (every attempt too), or one per role; an attempts role's
+    may be a list of its k attempts' rewards."""
     terminated: bool = False
     """The episode reached a natural end."""
     truncated: bool = False
     """The episode was cut off (turn limit)."""
     infos: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per-role details; an invalid action is reported as infos[role] = {"invalid": True, "reason": ...}."""
+    """Per-role details; an invalid action is reported as infos[role] = {"invalid": True, "reason": ...}. An attempts
+    role's may hold "attempts": [k dicts], one per attempt, each like a role's ({"invalid": True, "reason": ...},
+    {"success": 1.0}: evaluation reports pass@k over a role's attempts from their `success`)."""
 
 
 class Environment(abc.ABC):
@@ -43,14 +49,19 @@ class Environment(abc.ABC):
     """Every role that can act in this environment."""
     max_turns: int
     """Upper bound on turns per episode; the environment truncates at it."""
+    attempts: dict[str, int] = {}
+    """Roles that answer each of their prompts several times in one turn, each with its default k (`roles.attempts`
+    in a run config overrides k). Such a role's entry in `step`'s actions is the list of its k answers (a list also
+    when k is 1); a role not listed answers once."""
 
     @abc.abstractmethod
     def reset(self, sample: dict[str, Any], seed: int | None = None) -> dict[str, Prompt]:
         """Start an episode from a data sample; return the first turn's prompt per acting role."""
 
     @abc.abstractmethod
-    def step(self, actions: dict[str, str]) -> StepResult:
-        """Apply one text action per acting role; never raise on bad model text (report it in infos)."""
+    def step(self, actions: dict[str, str | list[str]]) -> StepResult:
+        """Apply one text action per acting role (an attempts role: the list of its k answers, in attempt order);
+        never raise on bad model text (report it in infos)."""
 
     def episode_info(self) -> dict[str, Any]:
         """Scalar metrics of the finished episode (accuracy, win, legal-move rate); logged per episode.
@@ -63,6 +74,12 @@ class Environment(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no scripted player (define scripted_action)")
 
 
+def answers(prompts: dict[str, Prompt], attempts: dict[str, int], act: Any) -> dict[str, str | list[str]]:
+    """What `step` takes: `act(role, prompt)` for each acting role; a role in `attempts` (role -> k) a list of k."""
+    return {role: [act(role, prompt) for _ in range(attempts[role])] if role in attempts else act(role, prompt)
+            for role, prompt in prompts.items()}
+
+
 # ------------------------------------------------------------------------------------- contract checks
 # Each returns why a value breaks the interface (one phrase), or None; `check_env` and the rollout share them.
 def env_problem(env: Any) -> str | None:
@@ -73,6 +90,10 @@ def env_problem(env: Any) -> str | None:
     turns = getattr(env, "max_turns", None)
     if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
         return f"max_turns must be a positive int, got {turns!r}"
+    attempts = getattr(env, "attempts", {})
+    if not isinstance(attempts, dict) or not all(role in roles and isinstance(k, int) and not isinstance(k, bool)
+                                                 and k >= 1 for role, k in attempts.items()):
+        return f"attempts must be a dict role -> k (an int >= 1) over possible_agents {list(roles)}, got {attempts!r}"
     return None
 
 
@@ -95,22 +116,55 @@ def prompts_problem(prompts: Any, roles: list[str]) -> str | None:
     return None
 
 
-def as_reward(reward: Any, roles: list[str]) -> tuple[float | dict[str, float] | None, str | None]:
-    """(reward as plain floats, None), or (None, why it breaks the interface). Numpy numbers are accepted."""
+def as_reward(reward: Any, roles: list[str], attempts: dict[str, int] | None = None
+              ) -> tuple[float | dict[str, float | list[float]] | None, str | None]:
+    """(reward as plain floats, None), or (None, why it breaks the interface). Numpy numbers are accepted. A role in
+    `attempts` (role -> k) may have a list of k rewards."""
     values = reward if isinstance(reward, dict) else {"": reward}
-    out = {}
+    out: dict[str, float | list[float]] = {}
     for role, value in values.items():
         if role != "" and role not in roles:
             return None, f"reward for unknown role {role!r}"
-        if not isinstance(value, numbers.Real):
-            return None, f"reward {value!r} is not a number"
-        value = float(value)
-        if not math.isfinite(value):
-            return None, f"reward {value!r} is not finite"
-        if abs(value) > MAX_ABS_REWARD:
-            return None, f"reward {value!r} is beyond +-{MAX_ABS_REWARD:g}"
-        out[role] = value
+        if isinstance(value, (list, tuple)) and role in (attempts or {}):
+            if len(value) != attempts[role]:
+                return None, f"reward of {role!r} lists {len(value)} values for its {attempts[role]} attempts"
+            parsed = [_number(v) for v in value]
+            problem = next((p for _, p in parsed if p), None)
+            if problem:
+                return None, problem
+            out[role] = [v for v, _ in parsed]
+            continue
+        if isinstance(value, (list, tuple)):
+            return None, f"reward of {role!r} is a list, but {role!r} answers once (it is not in attempts)"
+        out[role], problem = _number(value)
+        if problem:
+            return None, problem
     return (out[""] if "" in out else out), None
+
+
+def _number(value: Any) -> tuple[float, str | None]:
+    if not isinstance(value, numbers.Real):
+        return 0.0, f"reward {value!r} is not a number"
+    value = float(value)
+    if not math.isfinite(value):
+        return 0.0, f"reward {value!r} is not finite"
+    if abs(value) > MAX_ABS_REWARD:
+        return 0.0, f"reward {value!r} is beyond +-{MAX_ABS_REWARD:g}"
+    return value, None
+
+
+def attempt_infos_problem(infos: Any, attempts: dict[str, int]) -> str | None:
+    """Why `infos` breaks the interface: not a dict role -> dict, or an attempts role's `"attempts"` entry not a
+    list of k dicts."""
+    if not isinstance(infos, dict):
+        return "infos must be a dict role -> dict"
+    for role, k in attempts.items():
+        info = infos.get(role)
+        if isinstance(info, dict) and "attempts" in info:
+            tries = info["attempts"]
+            if not isinstance(tries, list) or len(tries) != k or not all(isinstance(t, dict) for t in tries):
+                return f"infos[{role!r}] 'attempts' must be a list of {k} dicts (one per attempt), got {tries!r:.80}"
+    return None
 
 
 def episode_info_problem(info: Any) -> str | None:

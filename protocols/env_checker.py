@@ -5,7 +5,10 @@ from __future__ import annotations
 import random
 from typing import Any, Callable
 
-from protocols.env import Environment, StepResult, as_reward, env_problem, episode_info_problem, prompts_problem
+from protocols.env import (
+    Environment, StepResult, answers, as_reward, attempt_infos_problem, env_problem, episode_info_problem,
+    prompts_problem,
+)
 
 
 class EnvCheckError(AssertionError):
@@ -32,21 +35,22 @@ def _check_prompts(env: Environment, prompts: Any, where: str) -> None:
 
 
 def _check_reward(env: Environment, result: StepResult, where: str) -> None:
-    _, problem = as_reward(result.reward, env.possible_agents)
+    _, problem = as_reward(result.reward, env.possible_agents, env.attempts)
     if problem:
         raise EnvCheckError(f"{where}: {problem}")
 
 
 def play_episode(env: Environment, sample: dict[str, Any], seed: int, action_fn: ActionFn, rng: random.Random,
                  where: str) -> list[tuple[dict[str, Any], StepResult]]:
-    """Play one episode, checking every turn; returns (prompts, result) per turn."""
+    """Play one episode, checking every turn; returns (prompts, result) per turn. A role in `env.attempts` answers
+    each prompt k times (`action_fn` called k times), and `step` gets the list of its k answers."""
     prompts = env.reset(sample, seed=seed)
     _check_prompts(env, prompts, f"{where} reset")
     if not prompts:
         raise EnvCheckError(f"{where} reset: no role acts on the first turn")
     turns = []
     for turn in range(env.max_turns + 1):
-        actions = {role: action_fn(role, prompt, rng) for role, prompt in prompts.items()}
+        actions = answers(prompts, env.attempts, lambda role, prompt: action_fn(role, prompt, rng))
         try:
             result = env.step(actions)
         except Exception as exc:  # the interface forbids raising on model text
@@ -56,7 +60,14 @@ def play_episode(env: Environment, sample: dict[str, Any], seed: int, action_fn:
             raise EnvCheckError(f"{where} turn {turn + 1}: step must return a StepResult, got {type(result).__name__}")
         _check_reward(env, result, f"{where} turn {turn + 1}")
         _check_prompts(env, result.prompts, f"{where} turn {turn + 1}")
+        problem = attempt_infos_problem(result.infos, env.attempts)
+        if problem:
+            raise EnvCheckError(f"{where} turn {turn + 1}: {problem}")
         for role, info in result.infos.items():
+            for i, one in enumerate(info.get("attempts", []) if role in env.attempts else []):
+                if one.get("invalid") and not one.get("reason"):
+                    raise EnvCheckError(f"{where} turn {turn + 1}: infos[{role!r}]['attempts'][{i}] marks an invalid "
+                                        "attempt without a 'reason'")
             if info.get("invalid") and not info.get("reason"):
                 raise EnvCheckError(f"{where} turn {turn + 1}: infos[{role!r}] marks an invalid action without a 'reason'")
         turns.append((prompts, result))
@@ -74,9 +85,11 @@ def check_env(env: Environment, samples: list[dict[str, Any]], action_fn: Action
               episodes: int = 4, seed: int = 0) -> None:
     """Raise EnvCheckError unless `env` follows the interface on `samples`.
 
-    Checks: roles and max_turns declared; prompts are str or chat messages for known roles; rewards
-    finite; junk and empty actions are handled without raising; every episode ends within max_turns;
-    the same sample, seed and actions replay the same episode; episode_info is a dict of scalars.
+    Checks: roles and max_turns declared (and `attempts`, if any, k >= 1 for known roles); prompts are str or chat
+    messages for known roles; rewards finite (an attempts role's: one, or a list of k); an attempts role's infos
+    hold k dicts if any; junk and empty actions are handled without raising (every attempt of an attempts role
+    given one); every episode ends within max_turns; the same sample, seed and actions replay the same episode;
+    episode_info is a dict of scalars.
     `action_fn(role, prompt, rng)` gives well-formed actions when the environment has a notion of them.
     """
     if not isinstance(env, Environment):

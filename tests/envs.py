@@ -159,3 +159,55 @@ class ByteScoreEnv(LetterEnv):
         result = super().step(actions)
         result.reward = sum(text.encode()[0] / 255 if text else 0.0 for text in actions.values()) / len(actions)
         return result
+
+
+class AttemptsEnv(Environment):
+    """A proposer names a letter (the first character of its answer; the sample's if it says nothing), then a solver
+    tries to say it, `attempts["solver"]` times at one prompt. Each attempt's reward: 1 if right, else 0 (an empty one
+    is invalid); the proposer's: learnability, 1 - p when 0 < p < 1, else 0, p the share of attempts right."""
+
+    possible_agents = ["proposer", "solver"]
+    max_turns = 2
+    attempts = {"solver": 3}
+
+    def reset(self, sample, seed=None):
+        self.target, self.letter, self.p = sample["target"], None, 0.0
+        return {"proposer": f"Say {self.target}"}
+
+    def step(self, actions):
+        if "proposer" in actions:
+            self.letter = actions["proposer"][:1] or self.target
+            return StepResult(prompts={"solver": f"Say {self.letter}"}, reward=0.0)
+        tries = actions["solver"]
+        right = [float(text[:1] == self.letter) for text in tries]
+        self.p = sum(right) / len(right)
+        infos = {"solver": {"attempts": [{"success": r} if text else {"invalid": True, "reason": "empty answer"}
+                                         for text, r in zip(tries, right)]}}
+        learnability = 1.0 - self.p if 0 < self.p < 1 else 0.0
+        return StepResult(prompts={}, reward={"proposer": learnability, "solver": right}, terminated=True, infos=infos)
+
+    def episode_info(self):
+        return {"solved": self.p}
+
+
+def attempts_config(**sections) -> dict:
+    """Agents p (proposer) and s (solver, 3 attempts per prompt by default) on AttemptsEnv."""
+    return config(("p", "s"), roles={"proposer": "p", "solver": "s"},
+                  environment={"name": f"{HERE / 'envs.py'}:AttemptsEnv", "kwargs": {}}, **sections)
+
+
+class FaultyAttemptsEnv(AttemptsEnv):
+    """AttemptsEnv that breaks the attempts interface in one way, named by `fault`."""
+
+    def __init__(self, fault=""):
+        self.fault = fault
+        if fault == "attempts_zero":
+            self.attempts = {"solver": 0}
+
+    def step(self, actions):
+        result = super().step(actions)
+        if "solver" in actions and self.fault == "rewards_short":
+            result.reward["solver"] = result.reward["solver"][:2]
+        if "solver" in actions and self.fault == "infos_short":
+            result.infos["solver"]["attempts"].pop()
+        return result

@@ -47,6 +47,15 @@ def sigkill_a_run_after(config_path: Path, run_dir: Path, steps: int = 2) -> Non
     proc.wait()
 
 
+def killed_and_resumed(config_path: Path, run_dir: Path, steps: int) -> list[dict]:
+    """The metrics (times left out) of a `steps`-step run SIGKILLed after 2 of them and resumed with `marsi resume`."""
+    sigkill_a_run_after(config_path, run_dir)
+    assert len(rows(run_dir)) < steps
+    out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return without_times(rows(run_dir))
+
+
 def run_killing(coord, pid: int, at_step: int) -> list[dict]:
     """`coord.run()` while another thread SIGKILLs process `pid` once the run has done `at_step` steps."""
     def kill_mid_run():

@@ -3,8 +3,6 @@ the policy versions actions carry, K = 0 as the synchronous loop, and exact resu
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from orchestrator import pipeline
@@ -16,7 +14,7 @@ from orchestrator.staleness import rollout_lag, timing_metrics, usable_actions, 
 from protocols.config import ConfigError, ScheduleConfig, validate_config
 from protocols.messages import Completion
 from tests.envs import HERE, config
-from tests.runs import MARSI, sigkill_a_run_after, rows, run_killing, uninterrupted_rows, without_times, write
+from tests.runs import killed_and_resumed, rows, run_killing, uninterrupted_rows, without_times, write
 
 
 ENVS = HERE / "envs.py"
@@ -153,12 +151,7 @@ def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
         acted = {a["agent"]: a["policy_version"] for turn in t["turns"] for a in turn["actions"]}
         assert t["policy_versions"] == acted == dict.fromkeys(("a", "b"), max(0, t["step"] - 2))
 
-    run_dir = tmp_path / "run"
-    sigkill_a_run_after(write(tmp_path, raw), run_dir)
-    assert len(rows(run_dir)) < 4
-    out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert without_times(rows(run_dir)) == uninterrupted
+    assert killed_and_resumed(write(tmp_path, raw), tmp_path / "run", 4) == uninterrupted
 
 
 def test_an_async_run_whose_trainer_dies_restarts_and_ends_as_if_uninterrupted(ray_cluster, tmp_path):

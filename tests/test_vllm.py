@@ -23,7 +23,7 @@ from tests.loops import say_the_letter_curve  # noqa: E402
 from orchestrator.coordinator import Coordinator  # noqa: E402
 from protocols.config import AgentConfig, AlgorithmConfig, RolloutConfig, validate_config  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, ScoreRequest, UpdateRequest  # noqa: E402
-from tests.envs import config  # noqa: E402
+from tests.envs import attempts_config, config  # noqa: E402
 
 VLLM = {"engine": "vllm", "vllm": {"kv_cache_gb": 0.0625, "max_num_seqs": 64}}
 PARITY = 1e-4  # fp32 engine vs fp32 learner, nats
@@ -239,6 +239,20 @@ def test_a_plain_loop_learns_with_the_vllm_engine():
     finally:
         trainer.close()
     assert sum(curve[:10]) / 10 < 0.2 and sum(curve[-10:]) / 10 > 0.7
+
+
+def test_attempts_sample_with_the_engine_and_train():
+    """A proposer and a solver (3 attempts per prompt) both sampling with vLLM, in-process: one step trains both."""
+    raw = attempts_config(train={"steps": 1})
+    for agent in raw["agents"].values():
+        agent["rollout"] = VLLM
+    with Coordinator(validate_config(raw)) as coord:
+        episodes = coord.play([{"target": "a"}])
+        solver = [a for e in episodes for a in e.turns[1].actions]
+        assert [a.attempt for a in solver] == [0, 1, 2] * 2 and {a.completion.policy_version for a in solver} == {0}
+        assert all(a.completion.per_token_logps for a in solver)
+        history = coord.run()
+    assert history[0]["trained"] == ["p", "s"] and "reward/solver" in history[0]
 
 
 # ----------------------------------------------------------------------- coordinator, Ray real
