@@ -212,6 +212,63 @@ def test_states_that_begin_each_other_share_a_forward_and_keep_their_own_values(
     assert len(set(round(v, 4) for v in together)) == len(states)
 
 
+def _shared_rows_by_scanning(rows):
+    """The grouping `CriticTrainer._batches` made before `shared_rows`: every row against every carrier."""
+    carriers, reads = [], []
+    for i in sorted(range(len(rows)), key=lambda i: -len(rows[i])):
+        r = rows[i]
+        home = next((c for c, long in enumerate(carriers) if long[:len(r)] == r), None)
+        if home is None:
+            carriers.append(r)
+            reads.append([])
+            home = len(carriers) - 1
+        reads[home].append((i, len(r) - 1))
+    return carriers, reads
+
+
+class _Counted(list):
+    """A row that counts the comparisons made with it."""
+
+    seen = 0
+
+    def __eq__(self, other):
+        _Counted.seen += 1
+        return list.__eq__(self, other)
+
+    def __ne__(self, other):
+        _Counted.seen += 1
+        return list.__ne__(self, other)
+
+    def __lt__(self, other):
+        _Counted.seen += 1
+        return list.__lt__(self, other)
+
+    __hash__ = None
+
+
+@pytest.mark.fast
+def test_states_that_begin_each_other_are_grouped_as_before_with_n_log_n_comparisons():
+    import random
+
+    from agent_trainer.critic_trainer import shared_rows
+
+    rng = random.Random(0)
+    for trial in range(200):  # chains of turns, repeated states, states of equal length, strangers
+        rows = []
+        for _ in range(rng.randint(1, 12)):
+            chain = [rng.randint(0, 3) for _ in range(rng.randint(1, 9))]
+            rows += [chain[:rng.randint(1, len(chain))] for _ in range(rng.randint(1, 4))]
+        rng.shuffle(rows)
+        assert shared_rows(rows) == _shared_rows_by_scanning(rows), rows
+    n = 4000  # states that begin no other: the scan compared each with every carrier before it, n**2 / 2
+    rows = [_Counted([i, i % 7]) for i in range(n)]
+    rng.shuffle(rows)
+    _Counted.seen = 0
+    carriers, reads = shared_rows(rows)
+    assert len(carriers) == n and sorted(i for read in reads for i, _ in read) == list(range(n))
+    assert _Counted.seen <= 3 * n * math.ceil(math.log2(n)), _Counted.seen  # a sort's count, not n**2 / 2 = 8e6
+
+
 @pytest.mark.fast
 def test_value_clipping_keeps_the_larger_error():
     import torch
