@@ -301,6 +301,8 @@ def cmd_validate(args) -> int:
         print(f"asynchronous rollouts: train.max_staleness {config.train.max_staleness}; each step's episodes are "
               f"played {coordinator.lag} step(s) ahead, while earlier steps update; rollout engines of their own: "
               f"{', '.join(apart) or 'none'}")
+    if coordinator.lag_note:
+        print(f"rollouts: {coordinator.lag_note}")
     tries = {role: f" x{k}" for role, k in coordinator.attempts.items()}
     marks = ", xK the roles that answer each prompt K times" if tries else ""
     print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "

@@ -36,7 +36,7 @@ from orchestrator.runlog import (
     read_checkpoint_state, recorded_place,
 )
 from orchestrator.schedule import RoleAssignment, Schedule, attempts_problem, seating_problem
-from orchestrator.staleness import rollout_lag
+from orchestrator.staleness import planned_lag
 from protocols.config import ConfigError, RunConfig, critic_members, load_config
 from protocols.errors import UserError
 from protocols.messages import (
@@ -77,8 +77,9 @@ class Coordinator:
         self.resuming = resume
         storage.set_deadline(config.train.storage_timeout_s)  # every call to the store from this process
         self.schedule = Schedule(config.schedule, list(config.agents))
-        self.lag = rollout_lag(self.schedule.training_agents, self.schedule.cycle, config.train.max_staleness)
-        """Steps the rollouts run ahead of the updates (0: synchronous); `orchestrator.staleness`."""
+        self.lag, self.lag_note = planned_lag(config, self.schedule)
+        """Steps the rollouts run ahead of the updates (0: synchronous), and why agents' own bounds lowered it
+        (said once by `run()`); `orchestrator.staleness`."""
         self.assignment = RoleAssignment(config.roles)
         self.make_env = rollout.env_factory(config.environment.name, config.environment.kwargs)
         env = rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
@@ -527,6 +528,8 @@ class Coordinator:
             row = self._with_recovery(self.evaluate)  # before the first step, or one a kill cut short
             phase(f"evaluation at step {self.state.step}: eval/reward/mean {row['eval/reward/mean']:.3f}",
                   time.perf_counter() - began)
+        if self.lag_note:
+            self.warn_once("rollouts", "lag", self.lag_note)
         bar = progress(self.state.step, until, cfg.progress)
         history, failed_at = [], None
         rollouts = self._rollouts()

@@ -36,7 +36,9 @@ from typing import TYPE_CHECKING, Any
 from agent_trainer.agent import Agent
 from orchestrator import rollout
 from orchestrator.data import DataPosition, next_batch
-from orchestrator.staleness import Usable, length, timing_metrics, union, clipped, usable_actions, weights_step
+from orchestrator.staleness import (
+    Usable, agent_bounds, clipped, length, timing_metrics, union, usable_actions, weights_step,
+)
 from protocols.messages import Experience, GenerateRequest
 
 if TYPE_CHECKING:
@@ -126,8 +128,7 @@ class AsyncRollouts:
         self.coord, self.lag = coord, lag
         cfg, state = coord.config, coord.state
         self.agents = list(cfg.agents)
-        self.bounds = {a: (spec.rollout.max_staleness if spec.rollout.max_staleness is not None
-                           else cfg.train.max_staleness) for a, spec in cfg.agents.items()}
+        self.bounds = agent_bounds(cfg)
         self.apart = set(getattr(coord.pool, "engines_apart", ()))  # agents whose rollout engine is a process of its own
         self.limit = cfg.train.steps
         self.base = state.step
