@@ -202,6 +202,26 @@ def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
     assert killed_and_resumed(write(tmp_path, raw), tmp_path / "run", 4) == uninterrupted
 
 
+@pytest.mark.parametrize("kind", ["simultaneous", "alternate"])
+def test_a_finished_async_run_extended_ends_as_a_longer_uninterrupted_run(tmp_path, kind):
+    """K = 1: a run of 3 steps plays the rollouts of steps 4 (and 5 under alternate, lag 2) with the weights an
+    uninterrupted longer run would, and its last checkpoint keeps them; `marsi resume RUN train.steps=5` then
+    continues into the metrics of a 5-step run (the in-flight rollouts were played again with newer weights)."""
+    raw = config(turns=2, train={"steps": 5, "max_staleness": 1, "checkpoint_every": 1, "keep_checkpoints": 9},
+                 schedule={"kind": kind})
+    uninterrupted = uninterrupted_rows(validate_config(raw), tmp_path / "whole")
+    raw["train"]["steps"] = 3
+    with Coordinator(validate_config(raw), tmp_path / "run") as coord:
+        coord.run()
+        lag = coord.lag
+    state = read_checkpoint_state(RunLog(tmp_path / "run").latest_checkpoint())
+    assert state["step"] == 3 and [r["step"] for r in state["rollouts"]] == list(range(3, 3 + lag))
+    out = subprocess.run([*MARSI, "resume", str(tmp_path / "run"), "train.steps=5"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert without_times(rows(tmp_path / "run")) == uninterrupted
+
+
 def test_an_async_run_whose_trainer_dies_restarts_and_ends_as_if_uninterrupted(ray_cluster, tmp_path):
     raw = config(turns=2, train={"steps": 4, "max_staleness": 1, "checkpoint_every": 1, "keep_checkpoints": 5})
     uninterrupted = uninterrupted_rows(validate_config(raw), tmp_path / "whole")
