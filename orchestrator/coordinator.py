@@ -512,17 +512,19 @@ class Coordinator:
         self.log.log_transcripts(metrics["step"], [e.transcript() for e in spread(episodes, cfg.transcripts_per_step)],
                                  max_mb=cfg.transcripts_max_mb)
 
-    def evaluate(self) -> dict[str, float]:
-        """Run the held-out evaluation now at the current weights; logs an `eval/` row for this step."""
+    def evaluate(self, step: int | None = None) -> dict[str, float]:
+        """Run the held-out evaluation now at the current weights; logs an `eval/` row at `step` (default: the steps
+        done; a custom loop that checkpoints after evaluating passes the step it reached)."""
         if self.evaluation is None:
             raise ConfigError("evaluate(): the config has no eval: section")
+        step = self.state.step if step is None else step
         result = self.evaluation.run(self.generate, self.assignment, initial=self.untrained)
         # every episode's values, what `compare` pairs (the transcripts are in the run's records already)
-        self.eval_results.append((self.state.step, replace(result, transcripts=[])))
-        row = {"step": self.state.step, **result.metrics}
+        self.eval_results.append((step, replace(result, transcripts=[])))
+        row = {"step": step, **result.metrics}
         if self.log is not None:
             self.log.log_metrics(row)
-            self.log.log_transcripts(self.state.step, result.transcripts, name=EVAL_TRANSCRIPTS,
+            self.log.log_transcripts(step, result.transcripts, name=EVAL_TRANSCRIPTS,
                                      max_mb=self.config.train.transcripts_max_mb)
         return row
 
