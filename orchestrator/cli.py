@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--out", help=out)
         p.add_argument("--smoothing", type=_smoothing, default=None,
                        help="weight of the moving average drawn over the raw reward, in [0, 1) (default: 0.6)")
+        if name == "report":
+            p.add_argument("--max-mb", type=_megabytes, default=None,
+                           help="at most this many MB of episodes inlined (the most recent and a spread of the older "
+                           "ones; the rest are counted on the page) (default: 20)")
     p = sub.add_parser("eval", parents=[common],
                        help="evaluate a run's checkpoints (or a config's initial models) on the eval set")
     p.add_argument("target", help="a run directory (or the run's place in train.storage, STORAGE/RUN_NAME), or a "
@@ -500,6 +505,16 @@ def _smoothing(text: str) -> float:
     return value
 
 
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text}: give a size in MB above 0, e.g. 50")
+    return value
+
+
 def cmd_plot(args) -> int:
     from orchestrator.plot import SMOOTHING, plot
 
@@ -522,10 +537,12 @@ def _run_views(targets: list[str]):
 def cmd_report(args) -> int:
     from orchestrator.plot import SMOOTHING
     from orchestrator.report import report
+    from orchestrator.transcripts import MAX_MB
 
     with _run_views(args.run_dirs) as run_dirs:
         out = args.out or (None if run_dirs[0] == Path(args.run_dirs[0]) else "report.html")  # a place in storage: here
-        print(report(run_dirs, out, SMOOTHING if args.smoothing is None else args.smoothing))
+        print(report(run_dirs, out, SMOOTHING if args.smoothing is None else args.smoothing,
+                     MAX_MB if args.max_mb is None else args.max_mb))
     return 0
 
 
