@@ -474,7 +474,10 @@ def _checkpoint_path(name: str, log):
 
 
 def _print_eval_table(results) -> None:
-    """One row per checkpoint and setting (as trained, then each partner label), mean ± standard error."""
+    """One row per checkpoint and setting (as trained, then each partner label), each metric as mean ± its 95%
+    confidence half-width (1.96 standard errors, as the report shows it), said under the table."""
+    from orchestrator.plot import CONFIDENCE
+
     rows = []
     for name, result in results.items():
         for label in result.episodes:
@@ -485,8 +488,9 @@ def _print_eval_table(results) -> None:
     keys = sorted({k for _, m in rows for k in m if not k.endswith(("/stderr", "episodes"))})
     print(f"{'evaluation':28s} {'episodes':>8s}  " + "  ".join(f"{k:>20s}" for k in keys))
     for title, m in rows:
-        cells = [f"{m[k]:.3f} ± {m.get(k + '/stderr', 0.0):.3f}" if k in m else "-" for k in keys]
+        cells = [f"{m[k]:.3f} ± {CONFIDENCE * m.get(k + '/stderr', 0.0):.3f}" if k in m else "-" for k in keys]
         print(f"{title:28s} {int(m.get('episodes', 0)):8d}  " + "  ".join(f"{c:>20s}" for c in cells))
+    print(f"mean ± 95% confidence ({CONFIDENCE} standard errors, clustered per held-out sample: docs/evaluation.md)")
 
 
 def _partner_key(key: str, result) -> bool:

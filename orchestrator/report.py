@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.plot import SMOOTHING, Panel, flat_notes, panels, read_runs
+from orchestrator.plot import CONFIDENCE, SMOOTHING, Panel, flat_notes, panels, read_runs
 from orchestrator.runlog import read_jsonl
 from orchestrator.transcripts import MAX_MB, Inlined, inlined
 
@@ -105,7 +105,7 @@ def _settings(when: str, row: dict[str, Any], prefix: str) -> list[dict[str, Any
             if name == "episodes" or not isinstance(row[prefix + key], (int, float)):
                 continue
             stderr = row.get(f"{prefix}{key}/stderr")
-            mine[name] = (row[prefix + key], 1.96 * stderr if isinstance(stderr, (int, float)) else None)
+            mine[name] = (row[prefix + key], CONFIDENCE * stderr if isinstance(stderr, (int, float)) else None)
         out.append({"when": when, "setting": label or "as trained", "metrics": mine,
                     "episodes": row.get(f"{prefix}{label + '/' if label else ''}episodes")})
     return out

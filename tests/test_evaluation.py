@@ -216,6 +216,18 @@ def test_marsi_eval_on_a_finished_run_and_on_a_config(tmp_path):
     assert table[1].split()[:2] == ["initial", "8"]
 
 
+def test_marsi_evals_table_shows_95_percent_intervals_as_the_report_does_and_says_so(capsys):
+    from orchestrator.cli import _print_eval_table
+    from orchestrator.evaluation import EvalResult
+
+    result = EvalResult(metrics={"eval/reward/mean": 0.5, "eval/reward/mean/stderr": 0.1, "eval/episodes": 8.0},
+                        episodes={"": {"reward/mean": [0.5] * 8}}, samples=list(range(8)))
+    _print_eval_table({"last (step 2)": result})
+    header, row, said = capsys.readouterr().out.splitlines()
+    assert row.split()[:3] == ["last", "(step", "2)"] and "0.500 ± 0.196" in row  # 1.96 standard errors, not 1
+    assert said == "mean ± 95% confidence (1.96 standard errors, clustered per held-out sample: docs/evaluation.md)"
+
+
 def test_bad_eval_settings_get_one_line(tmp_path):
     overlapping = with_eval(config())
     overlapping["eval"]["data"] = {"factory": f"{HERE / 'envs.py'}:letters"}
