@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.envs import HERE, config
+from tests.errors_doc import assert_documented
 from tests.runs import marsi, write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +171,7 @@ def test_the_report_inlines_episodes_up_to_its_bound_the_most_recent_and_a_sprea
     assert len(payload((tmp_path / "all.html").read_text())) == 2000 and "This page holds" not in \
         (tmp_path / "all.html").read_text()
     out = marsi("report", tmp_path, "--max-mb", "0")
-    assert out.returncode == 2 and "--max-mb: 0: give a size in MB above 0" in out.stderr
+    assert_documented("report_max_mb_not_positive", out.stderr, exit=out.returncode)
 
 
 @needs_chromium
