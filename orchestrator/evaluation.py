@@ -220,9 +220,10 @@ def summarise(episodes: list[rollout.Episode], pass_k: list[int]) -> dict[str, f
         for k in pass_k:
             if k > min(len(tries) for _, tries in prompts):
                 continue  # fewer attempts than k (k is for episodes or another role)
-            values = [pass_at_k(len(tries), int(round(sum(tries))), k) for _, tries in prompts]
-            out[f"pass@{k}/{role}"] = statistics.fmean(values)
-            out[f"pass@{k}/{role}/stderr"] = stderr(per_sample_means(values, [sample for sample, _ in prompts]))
+            values, samples = [pass_at_k(len(tries), int(round(sum(tries))), k) for _, tries in prompts], \
+                [sample for sample, _ in prompts]
+            out[f"pass@{k}/{role}"] = sample_mean(values, samples)  # each sample weighs the same, as its stderr says
+            out[f"pass@{k}/{role}/stderr"] = stderr(per_sample_means(values, samples))
     return out
 
 

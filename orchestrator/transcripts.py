@@ -9,7 +9,8 @@ the older ones (every k-th). The others are counted on the page. Files are read 
 measure and check every record, once to load the chosen ones, so a large file is never held whole.
 
 A record the browser cannot show (not JSON, no integer `step`, turns or actions that are not lists, an action
-without text fields, a reward that is not a number) is skipped and counted, with its file and line.
+without text fields, a reward that is not a number, or a list of them for a role's attempts) is skipped and
+counted, with its file and line.
 """
 
 from __future__ import annotations
@@ -112,7 +113,13 @@ def _number(value: Any) -> bool:
 
 
 def _reward(value: Any) -> bool:
-    return _number(value) or (isinstance(value, dict) and all(_number(v) for v in value.values()))
+    """Shared, per role, or per attempt of an attempts role (a list)."""
+    each = lambda v: _number(v) or (isinstance(v, list) and bool(v) and all(_number(x) for x in v))  # noqa: E731
+    return _number(value) or (isinstance(value, dict) and all(each(v) for v in value.values()))
+
+
+def _mean(value: Any) -> float:
+    return sum(value) / len(value) if isinstance(value, list) else float(value)
 
 
 def _prompt(value: Any) -> bool:
@@ -129,6 +136,7 @@ def _turn(turn: Any) -> bool:
                and isinstance(a.get("completion"), str) and _prompt(a.get("prompt"))
                and (a.get("advantage") is None or _number(a["advantage"]))
                and (a.get("policy_version") is None or isinstance(a["policy_version"], int))
+               and (a.get("attempt") is None or (isinstance(a["attempt"], int) and a["attempt"] >= 0))
                for a in turn["actions"])
 
 
@@ -142,7 +150,7 @@ def browsable(run: str, kind: str, record: Any) -> dict[str, Any] | None:
     if not isinstance(info, dict) or not all(_number(v) or isinstance(v, (str, bool)) for v in info.values()):
         return None
     reward = record["reward"]
-    shared = sum(reward.values()) / max(1, len(reward)) if isinstance(reward, dict) else float(reward)
+    shared = sum(map(_mean, reward.values())) / max(1, len(reward)) if isinstance(reward, dict) else float(reward)
     return {"run": run, "kind": kind, "step": record["step"], "episode": record.get("episode"),
             "sample": record.get("sample"), "setting": str(record.get("setting", "")), "reward": shared,
             "rewards": reward, "info": info,
