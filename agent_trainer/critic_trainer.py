@@ -42,6 +42,50 @@ STATE_FILE = "critic_state.pt"
 MODEL_DIR = "model"
 
 
+def shared_rows(rows: list[list[int]]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """The rows to forward (carriers, longest first) and, per carrier, the rows read inside it: (row index, position
+    of its last token). A row is read inside the first carrier it begins (carriers are made longest first, ties in
+    row order); a row that begins none is a carrier of its own.
+
+    In lexicographic order the rows that begin with a row r follow r as one block, and r's carrier is the longest
+    row of its block (ties: the first in row order): a walk over the sorted rows with a stack of the rows that begin
+    the current one finds every block's best in one pass, so the cost is the sort's, O(N log N) comparisons of rows,
+    not a comparison of every row with every carrier."""
+    n = len(rows)
+    order = sorted(range(n), key=lambda i: rows[i])  # stable: equal rows stay in row order
+    rank = lambda i: (len(rows[i]), -i)  # noqa: E731  the carrier of a block: the longest, then the first
+    best = list(range(n))  # per row: the best row of the rows that begin with it (its block)
+    same = list(range(n))  # per row: the first row equal to it, whose block it shares
+    stack: list[int] = []
+    for i in order:
+        if stack and rows[i] == rows[stack[-1]]:
+            same[i] = stack[-1]
+            continue
+        while stack and rows[i][:len(rows[stack[-1]])] != rows[stack[-1]]:
+            _close(stack, best, rank)
+        stack.append(i)
+    while stack:
+        _close(stack, best, rank)
+    carriers: list[list[int]] = []
+    reads: list[list[tuple[int, int]]] = []
+    carrier_of: dict[int, int] = {}  # row -> its carrier's index in `carriers`
+    for i in sorted(range(n), key=lambda i: -len(rows[i])):
+        home = best[same[i]]
+        if home == i:
+            carrier_of[i] = len(carriers)
+            carriers.append(rows[i])
+            reads.append([])
+        reads[carrier_of[home]].append((i, len(rows[i]) - 1))
+    return carriers, reads
+
+
+def _close(stack: list[int], best: list[int], rank) -> None:
+    """Pop the top row's block: its best is final and competes for the block that holds it."""
+    done = stack.pop()
+    if stack and rank(best[done]) > rank(best[stack[-1]]):
+        best[stack[-1]] = best[done]
+
+
 class CriticTrainer:
     """One critic's value model, optimizer and update count. `agent`: the trainer of the hosting agent whose
     model carries the head (`critic.model: agent`); None for a critic with an LM of its own."""
@@ -91,16 +135,7 @@ class CriticTrainer:
         episode's states are such prefixes of each other (`orchestrator.credit.critic_state`), so its turns
         cost about one forward of the longest instead of one per turn."""
         rows = [self.tokenizer(s).input_ids[-self.config.max_length:] or [self.tokenizer.pad_token_id] for s in states]
-        carriers: list[list[int]] = []  # the rows forwarded, longest first
-        reads: list[list[tuple[int, int]]] = []  # per carrier: (state index, position of its last token)
-        for i in sorted(range(len(rows)), key=lambda i: -len(rows[i])):
-            r = rows[i]
-            home = next((c for c, long in enumerate(carriers) if long[:len(r)] == r), None)
-            if home is None:
-                carriers.append(r)
-                reads.append([])
-                home = len(carriers) - 1
-            reads[home].append((i, len(r) - 1))
+        carriers, reads = shared_rows(rows)
         for start in range(0, len(carriers), self.config.micro_batch_size):
             batch = range(start, min(start + self.config.micro_batch_size, len(carriers)))
             width = max(len(carriers[c]) for c in batch)

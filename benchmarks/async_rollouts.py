@@ -141,7 +141,7 @@ def step_seconds(agents: int, kind: str, k: int, steps: int, generate_s: float, 
     with coord:
         history = coord.run()
     ends = [m["time/end"] for m in history]
-    first, last = lag + 1, steps - 1 - lag  # the last `lag` steps have no rollouts left to play: left out
+    first, last = lag + 1, steps - 1 - lag  # the pipeline filling and the last `lag` steps: left out
     worst = max((m[key] for m in history for key in m if key.startswith("staleness/") and key.endswith("/max")), default=0)
     return (ends[last] - ends[first]) / (last - first), worst
 

@@ -160,7 +160,8 @@ def cli_reference() -> str:
             default = "" if action.default in (None, False, "==SUPPRESS==") else f"`{action.default}`"
             if action.required and action.option_strings:
                 default = "required"
-            lines.append(f"| `{spelled}` | {default} | {_cell(action.help or '')} |")
+            said = command._get_formatter()._expand_help(action) if action.help else ""  # "95%%" as --help prints it
+            lines.append(f"| `{spelled}` | {default} | {_cell(said)} |")
         lines.extend(["", "```text", command.format_help().rstrip(), "```", ""])
     return "\n".join(lines)
 

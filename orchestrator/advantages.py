@@ -187,21 +187,24 @@ def gae(rewards: list[float], values: list[float], gaps: list[int], discount: fl
 
 
 def normalised_per_agent(advantages: Sequence[float], agents: Sequence[str], returns: Sequence[float] | None = None,
-                         eps: float = 1e-4) -> list[float]:
+                         eps: float = 1e-4, rtol: float = 1e-6) -> list[float]:
     """Each advantage minus its agent's mean over the batch, divided by that agent's population std (+ eps).
     With `returns` (each action's discounted return, no value in it): an agent whose returns all lie within
-    `eps` of each other is centred but not scaled. Its batch then carried no reward signal, and what spread
-    its advantages have is the critic's own noise (values that differ by 1e-4 on states worth the same);
-    dividing by that spread would make noise a full-size update, where group baselines give a flat group 0."""
+    `rtol` times their largest magnitude of each other (all equal, whatever the reward's scale) gets advantage 0.
+    Its batch then carried no reward signal, and what spread its advantages have is the critic's own error, in
+    the reward's units: divided by its std it would be a full-size random update, and left as it is, one that
+    grows with the reward's scale (rewards of 3 gave a larger step than a batch with signal). A flat group gets
+    0 under group baselines for the same reason."""
     members: dict[str, list[float]] = defaultdict(list)
     for a, agent in zip(advantages, agents, strict=True):
         members[agent].append(a)
     mean = {g: sum(v) / len(v) for g, v in members.items()}
     std = {g: math.sqrt(sum((x - mean[g]) ** 2 for x in v) / len(v)) for g, v in members.items()}
     scale = {g: std[g] + eps for g in members}
+    flat: set[str] = set()
     if returns is not None:
         spread: dict[str, list[float]] = defaultdict(list)
         for r, agent in zip(returns, agents, strict=True):
             spread[agent].append(r)
-        scale.update({g: 1.0 for g, rs in spread.items() if max(rs) - min(rs) <= eps})
-    return [(a - mean[g]) / scale[g] for a, g in zip(advantages, agents)]
+        flat = {g for g, rs in spread.items() if max(rs) - min(rs) <= rtol * max(abs(r) for r in rs)}
+    return [0.0 if g in flat else (a - mean[g]) / scale[g] for a, g in zip(advantages, agents)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -60,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--out", help=out)
         p.add_argument("--smoothing", type=_smoothing, default=None,
                        help="weight of the moving average drawn over the raw reward, in [0, 1) (default: 0.6)")
+        if name == "report":
+            p.add_argument("--max-mb", type=_megabytes, default=None,
+                           help="at most this many MB of episodes inlined (the most recent and a spread of the older "
+                           "ones; the rest are counted on the page) (default: 20)")
     p = sub.add_parser("eval", parents=[common],
                        help="evaluate a run's checkpoints (or a config's initial models) on the eval set")
     p.add_argument("target", help="a run directory (or the run's place in train.storage, STORAGE/RUN_NAME), or a "
@@ -301,6 +306,8 @@ def cmd_validate(args) -> int:
         print(f"asynchronous rollouts: train.max_staleness {config.train.max_staleness}; each step's episodes are "
               f"played {coordinator.lag} step(s) ahead, while earlier steps update; rollout engines of their own: "
               f"{', '.join(apart) or 'none'}")
+    if coordinator.lag_note:
+        print(f"rollouts: {coordinator.lag_note}")
     tries = {role: f" x{k}" for role, k in coordinator.attempts.items()}
     marks = ", xK the roles that answer each prompt K times" if tries else ""
     print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "
@@ -467,7 +474,10 @@ def _checkpoint_path(name: str, log):
 
 
 def _print_eval_table(results) -> None:
-    """One row per checkpoint and setting (as trained, then each partner label), mean ± standard error."""
+    """One row per checkpoint and setting (as trained, then each partner label), each metric as mean ± its 95%
+    confidence half-width (1.96 standard errors, as the report shows it), said under the table."""
+    from orchestrator.plot import CONFIDENCE
+
     rows = []
     for name, result in results.items():
         for label in result.episodes:
@@ -478,8 +488,9 @@ def _print_eval_table(results) -> None:
     keys = sorted({k for _, m in rows for k in m if not k.endswith(("/stderr", "episodes"))})
     print(f"{'evaluation':28s} {'episodes':>8s}  " + "  ".join(f"{k:>20s}" for k in keys))
     for title, m in rows:
-        cells = [f"{m[k]:.3f} ± {m.get(k + '/stderr', 0.0):.3f}" if k in m else "-" for k in keys]
+        cells = [f"{m[k]:.3f} ± {CONFIDENCE * m.get(k + '/stderr', 0.0):.3f}" if k in m else "-" for k in keys]
         print(f"{title:28s} {int(m.get('episodes', 0)):8d}  " + "  ".join(f"{c:>20s}" for c in cells))
+    print(f"mean ± 95% confidence ({CONFIDENCE} standard errors, clustered per held-out sample: docs/evaluation.md)")
 
 
 def _partner_key(key: str, result) -> bool:
@@ -495,6 +506,16 @@ def _smoothing(text: str) -> float:
     value = float(text)
     if not 0.0 <= value < 1.0:
         raise argparse.ArgumentTypeError(f"{text}: give a weight in [0, 1), e.g. 0.6 (0: no smoothing)")
+    return value
+
+
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text}: give a size in MB above 0, e.g. 50")
     return value
 
 
@@ -520,10 +541,12 @@ def _run_views(targets: list[str]):
 def cmd_report(args) -> int:
     from orchestrator.plot import SMOOTHING
     from orchestrator.report import report
+    from orchestrator.transcripts import MAX_MB
 
     with _run_views(args.run_dirs) as run_dirs:
         out = args.out or (None if run_dirs[0] == Path(args.run_dirs[0]) else "report.html")  # a place in storage: here
-        print(report(run_dirs, out, SMOOTHING if args.smoothing is None else args.smoothing))
+        print(report(run_dirs, out, SMOOTHING if args.smoothing is None else args.smoothing,
+                     MAX_MB if args.max_mb is None else args.max_mb))
     return 0
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
-import statistics
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool
 from agent_trainer.precision import emulation_warning
 from agent_trainer.storage import StorageError
 from orchestrator import rollout, runstore
-from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines, zero_variance_shares
+from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines
 from orchestrator.console import phase, progress
 from orchestrator.credit import CriticCredit
 from orchestrator.data import DataPosition, load_samples
@@ -36,7 +35,8 @@ from orchestrator.runlog import (
     read_checkpoint_state, recorded_place,
 )
 from orchestrator.schedule import RoleAssignment, Schedule, attempts_problem, seating_problem
-from orchestrator.staleness import rollout_lag
+from orchestrator.staleness import planned_lag
+from orchestrator.steplog import critic_metrics, show_step, spread, step_metrics, zero_variance_metrics
 from protocols.config import ConfigError, RunConfig, critic_members, load_config
 from protocols.errors import UserError
 from protocols.messages import (
@@ -77,8 +77,9 @@ class Coordinator:
         self.resuming = resume
         storage.set_deadline(config.train.storage_timeout_s)  # every call to the store from this process
         self.schedule = Schedule(config.schedule, list(config.agents))
-        self.lag = rollout_lag(self.schedule.training_agents, self.schedule.cycle, config.train.max_staleness)
-        """Steps the rollouts run ahead of the updates (0: synchronous); `orchestrator.staleness`."""
+        self.lag, self.lag_note = planned_lag(config, self.schedule)
+        """Steps the rollouts run ahead of the updates (0: synchronous), and why agents' own bounds lowered it
+        (said once by `run()`); `orchestrator.staleness`."""
         self.assignment = RoleAssignment(config.roles)
         self.make_env = rollout.env_factory(config.environment.name, config.environment.kwargs)
         env = rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
@@ -500,17 +501,30 @@ class Coordinator:
             except TrainerFailure as failure:
                 self.recover(failure)
 
-    def evaluate(self) -> dict[str, float]:
-        """Run the held-out evaluation now at the current weights; logs an `eval/` row for this step."""
+    def log_step(self, metrics: dict[str, Any], episodes: list[rollout.Episode]) -> None:
+        """Write a step's metrics row (`metrics["step"]`: the steps done) to metrics.jsonl and the loggers, and
+        `train.transcripts_per_step` of its episodes, spread over their samples, to transcripts.jsonl (bounded by
+        `train.transcripts_max_mb`): what `marsi plot` and `marsi report` read. Nothing without a run directory."""
+        if self.log is None:
+            return
+        cfg = self.config.train
+        self.log.log_metrics(metrics)
+        self.log.log_transcripts(metrics["step"], [e.transcript() for e in spread(episodes, cfg.transcripts_per_step)],
+                                 max_mb=cfg.transcripts_max_mb)
+
+    def evaluate(self, step: int | None = None) -> dict[str, float]:
+        """Run the held-out evaluation now at the current weights; logs an `eval/` row at `step` (default: the steps
+        done; a custom loop that checkpoints after evaluating passes the step it reached)."""
         if self.evaluation is None:
             raise ConfigError("evaluate(): the config has no eval: section")
+        step = self.state.step if step is None else step
         result = self.evaluation.run(self.generate, self.assignment, initial=self.untrained)
         # every episode's values, what `compare` pairs (the transcripts are in the run's records already)
-        self.eval_results.append((self.state.step, replace(result, transcripts=[])))
-        row = {"step": self.state.step, **result.metrics}
+        self.eval_results.append((step, replace(result, transcripts=[])))
+        row = {"step": step, **result.metrics}
         if self.log is not None:
             self.log.log_metrics(row)
-            self.log.log_transcripts(self.state.step, result.transcripts, name=EVAL_TRANSCRIPTS,
+            self.log.log_transcripts(step, result.transcripts, name=EVAL_TRANSCRIPTS,
                                      max_mb=self.config.train.transcripts_max_mb)
         return row
 
@@ -527,6 +541,8 @@ class Coordinator:
             row = self._with_recovery(self.evaluate)  # before the first step, or one a kill cut short
             phase(f"evaluation at step {self.state.step}: eval/reward/mean {row['eval/reward/mean']:.3f}",
                   time.perf_counter() - began)
+        if self.lag_note:
+            self.warn_once("rollouts", "lag", self.lag_note)
         bar = progress(self.state.step, until, cfg.progress)
         history, failed_at = [], None
         rollouts = self._rollouts()
@@ -558,8 +574,7 @@ class Coordinator:
                     metrics.update(staleness)
                     metrics.update(rollouts.metrics((start, time.perf_counter())))
                     metrics["data/epoch"] = position.epoch + position.index / len(self.samples)
-                    for agent, share in zero_variance_shares(episodes, self.config.algorithm).items():
-                        metrics[f"groups/zero_variance/{agent}"] = share
+                    metrics.update(zero_variance_metrics(episodes, self.config.algorithm))
                     for agent in sorted(set(scheduled) - set(training) - set(experiences)):
                         metrics[f"no_experiences/{agent}"] = 1
                         self.warn_once(agent, "idle", f"agent {agent!r} is scheduled to train but got no experiences at "
@@ -567,10 +582,7 @@ class Coordinator:
                                        f"(counted in no_experiences/{agent})")
                     if failed_at is not None:
                         metrics["time/recovery"], failed_at = time.perf_counter() - failed_at, None
-                    if self.log is not None:
-                        self.log.log_metrics(metrics)
-                        self.log.log_transcripts(self.state.step, [e.transcript() for e in episodes[:cfg.transcripts_per_step]],
-                                                 max_mb=cfg.transcripts_max_mb)
+                    self.log_step(metrics, episodes)
                     # evaluate (before the checkpoint: a kill during it replays the step and the evaluation)
                     if self.evaluation is not None and self.evaluation.due(self.state.step):
                         self.evaluate()
@@ -594,8 +606,7 @@ class Coordinator:
                     bar.update(self.state.step)
                     continue
                 history.append(metrics)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", training=",".join(training) or "-")
-                bar.update(1)
+                show_step(bar, metrics)
             rollouts.hand_over()  # what a later run() or checkpoint continues from
         finally:
             rollouts.close()
@@ -684,62 +695,3 @@ class RunFailed(RuntimeError):
 
 def say(message: str) -> None:
     print(f"marsi: {message}", file=sys.stderr, flush=True)
-
-
-def critic_metrics(results: dict[str, CriticUpdateResult], seconds: dict[str, float]) -> dict[str, Any]:
-    """Per critic: its value loss, clip fraction, explained variance (before its update), gradient norm; and
-    the seconds the critics took (values and updates)."""
-    metrics: dict[str, Any] = {}
-    for critic, r in sorted(results.items()):
-        for name in ("value_loss", "value_clip_fraction", "explained_variance", "grad_norm", "skipped_steps"):
-            metrics[f"critic/{name}/{critic}"] = getattr(r, name)
-    if results:
-        metrics["time/critic"] = seconds.get("critic", 0.0)
-    return metrics
-
-
-def step_metrics(step: int, episodes: list[rollout.Episode], results: dict[str, UpdateResult],
-                 seconds: dict[str, float], step_seconds: float) -> dict[str, Any]:
-    totals = [e.total_reward() for e in episodes]
-    shared = [statistics.fmean(t.values()) if isinstance(t, dict) else t for t in totals]
-    metrics: dict[str, Any] = {
-        "step": step, "trained": sorted(results),
-        "reward/mean": statistics.fmean(shared), "reward/std": statistics.pstdev(shared),
-        "reward/min": min(shared), "reward/max": max(shared),  # the bounds plots clip the +-std band to
-    }
-    for role in sorted({r for t in totals if isinstance(t, dict) for r in t}):
-        metrics[f"reward/{role}"] = statistics.fmean(t[role] for t in totals)
-    lengths, invalid, actions = defaultdict(list), 0, 0
-    for e in episodes:
-        for turn in e.turns:
-            for a in turn.actions:
-                lengths[a.agent].append(len(a.completion.completion_ids))
-                actions += 1
-                invalid += bool(turn.info_of(a).get("invalid"))
-    for agent, values in sorted(lengths.items()):
-        metrics[f"completion_length/{agent}"] = statistics.fmean(values)
-    metrics["turns/mean"] = statistics.fmean(len(e.turns) for e in episodes)
-    metrics["invalid_rate"] = invalid / max(1, actions)
-    for key in sorted({k for e in episodes for k in e.info}):
-        values = [float(e.info[key]) for e in episodes if key in e.info]
-        metrics[f"episode/{key}"] = statistics.fmean(values)
-    for agent, r in sorted(results.items()):
-        for name in ("loss", "kl", "grad_norm", "entropy", "clip_fraction", "lr", "skipped_steps"):
-            metrics[f"{name}/{agent}"] = getattr(r, name)
-        if r.logp_mismatch is not None:
-            metrics[f"rollout/logp_gap/{agent}"] = r.logp_mismatch
-            metrics[f"rollout/logp_gap_max/{agent}"] = r.logp_gap_max
-        if r.tis_weight is not None:
-            metrics[f"rollout/tis_weight/{agent}"] = r.tis_weight
-            metrics[f"rollout/tis_truncated/{agent}"] = r.tis_truncated
-        metrics[f"tokens/{agent}"] = r.num_tokens
-        metrics[f"time/sync/{agent}"] = r.sync_seconds
-        metrics[f"time/learn/{agent}"] = r.seconds - r.sync_seconds  # the learner's own share of the update
-    generate_s, update_s = seconds.get("generate", 0.0), seconds.get("update", 0.0)
-    metrics.update({"time/step": step_seconds, "time/generate": generate_s, "time/update": update_s,
-                    "time/coordinator": step_seconds - generate_s - update_s - seconds.get("critic", 0.0),
-                    "time/end": time.time()})
-    return metrics
-
-
-

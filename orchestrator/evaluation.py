@@ -19,8 +19,10 @@ each with a `.../stderr`, `episodes`, and where episodes report `success`, `pass
 averaged over prompts. Evaluation plays the training run's attempts unless `eval.attempts` says otherwise.
 
 Episodes of one sample are not independent (at temperature 0 with a deterministic environment they are
-copies), so every standard error and confidence interval is clustered per sample: computed over the
-per-sample means, with the samples as the units (n = samples, not episodes).
+copies), so the samples are the units: every mean is the mean of the per-sample means (each held-out sample
+weighs the same, however many of its episodes report the metric), its standard error and confidence interval
+are over those per-sample means (n = samples, not episodes), and `compare`'s difference is after - before of
+those means, so it equals the two figures it is printed beside.
 """
 
 from __future__ import annotations
@@ -202,8 +204,9 @@ def summarise(episodes: list[rollout.Episode], pass_k: list[int]) -> dict[str, f
     for key in sorted({k for e in episodes for k in e.info}):
         series[f"episode/{key}"] = [(e.sample_index, float(e.info[key])) for e in episodes if key in e.info]
     for name, pairs in series.items():
-        out[name] = statistics.fmean(v for _, v in pairs)
-        out[f"{name}/stderr"] = stderr(per_sample_means([v for _, v in pairs], [s for s, _ in pairs]))
+        values, samples = [v for _, v in pairs], [s for s, _ in pairs]
+        out[name] = sample_mean(values, samples)
+        out[f"{name}/stderr"] = stderr(per_sample_means(values, samples))
     if pass_k and any("success" in e.info for e in episodes):
         per_sample: dict[int, list[float]] = {}
         for e in episodes:
@@ -217,9 +220,10 @@ def summarise(episodes: list[rollout.Episode], pass_k: list[int]) -> dict[str, f
         for k in pass_k:
             if k > min(len(tries) for _, tries in prompts):
                 continue  # fewer attempts than k (k is for episodes or another role)
-            values = [pass_at_k(len(tries), int(round(sum(tries))), k) for _, tries in prompts]
-            out[f"pass@{k}/{role}"] = statistics.fmean(values)
-            out[f"pass@{k}/{role}/stderr"] = stderr(per_sample_means(values, [sample for sample, _ in prompts]))
+            values, samples = [pass_at_k(len(tries), int(round(sum(tries))), k) for _, tries in prompts], \
+                [sample for sample, _ in prompts]
+            out[f"pass@{k}/{role}"] = sample_mean(values, samples)  # each sample weighs the same, as its stderr says
+            out[f"pass@{k}/{role}/stderr"] = stderr(per_sample_means(values, samples))
     return out
 
 
@@ -244,10 +248,21 @@ def attempt_successes(episodes: list[rollout.Episode]) -> dict[str, list[tuple[i
 
 def per_sample_means(values: list[float], samples: list[int]) -> list[float]:
     """The mean of each sample's values (`samples[i]` is the sample of `values[i]`), in order of first appearance."""
+    return [statistics.fmean(v) for v in _grouped(values, samples).values()]
+
+
+def sample_mean(values: list[float], samples: list[int]) -> float:
+    """The mean of the per-sample means: every sample weighs the same. With as many values of each sample it is
+    the plain mean, and is computed as that (so the figure is the episode mean to the last bit)."""
+    sizes = {len(v) for v in _grouped(values, samples).values()}
+    return statistics.fmean(values) if len(sizes) == 1 else statistics.fmean(per_sample_means(values, samples))
+
+
+def _grouped(values: list[float], samples: list[int]) -> dict[int, list[float]]:
     grouped: dict[int, list[float]] = {}
     for value, sample in zip(values, samples, strict=True):
         grouped.setdefault(sample, []).append(value)
-    return [statistics.fmean(v) for v in grouped.values()]
+    return grouped
 
 
 def stderr(values: list[float]) -> float:
@@ -268,20 +283,22 @@ _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
 
 
 def compare(before: list[float], after: list[float], samples: list[int] | None = None) -> dict[str, float | bool]:
-    """Paired difference of two evaluations of the same episodes (same samples and seeds): mean of
-    after - before, its 95% confidence interval (Student's t), and whether the interval excludes 0. The
-    interval is clustered per sample: over the per-sample mean differences (`samples[i]` is episode i's
-    sample; None: every episode a sample of its own), so copies of an episode add no confidence."""
+    """Paired difference of two evaluations of the same episodes (same samples and seeds). `before` and `after` are
+    each side's mean of per-sample means (`sample_mean`), `difference` is after - before (the mean of the per-sample
+    differences), with a 95% confidence interval (Student's t) over the per-sample differences, and whether it
+    excludes 0. `samples[i]` is episode i's sample (None: every episode a sample of its own), so copies of an
+    episode add no confidence and a sample with more episodes weighs no more."""
     if len(before) != len(after) or not before:
         raise ValueError(f"compare needs the same episodes on both sides, got {len(before)} and {len(after)}")
-    diffs = [b - a for a, b in zip(before, after)]
-    diffs = per_sample_means(diffs, list(range(len(diffs))) if samples is None else samples)
-    mean, se = statistics.fmean(diffs), stderr(diffs)
+    samples = list(range(len(before))) if samples is None else samples
+    diffs = per_sample_means([b - a for a, b in zip(before, after)], samples)
+    mean_before, mean_after = sample_mean(before, samples), sample_mean(after, samples)
+    difference, se = mean_after - mean_before, stderr(diffs)
     if len(diffs) < 2:  # one pair says nothing about noise
         low, high = -math.inf, math.inf
     else:
         t = _T95[len(diffs) - 2] if len(diffs) <= 31 else 1.96
-        low, high = mean - t * se, mean + t * se
-    return {"before": statistics.fmean(before), "after": statistics.fmean(after), "difference": mean,
+        low, high = difference - t * se, difference + t * se
+    return {"before": mean_before, "after": mean_after, "difference": difference,
             "low": low, "high": high, "episodes": len(before), "samples": len(diffs),
             "distinguishable": low > 0 or high < 0}

@@ -22,7 +22,9 @@ logging, checkpoints) with both, and, for an agent whose engine runs apart from 
 
 A checkpoint after step s keeps the rollouts of steps s+1 .. s+L, already played with weights it no longer
 holds, in the coordinator state; any rollout further ahead is discarded and, on resume, played again with the
-checkpoint's weights and the same seeds, to the same episodes.
+checkpoint's weights and the same seeds, to the same episodes. The run's last checkpoint is no exception: the
+pipeline plays the L rollouts after `train.steps` too (the generation of L steps more at the end), so a finished
+run extended with `marsi resume RUN train.steps=M` goes on as a run of M steps would have.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from typing import TYPE_CHECKING, Any
 from agent_trainer.agent import Agent
 from orchestrator import rollout
 from orchestrator.data import DataPosition, next_batch
-from orchestrator.staleness import Usable, length, timing_metrics, union, clipped, usable_actions, weights_step
+from orchestrator.staleness import (
+    Usable, agent_bounds, clipped, length, timing_metrics, union, usable_actions, weights_step,
+)
 from protocols.messages import Experience, GenerateRequest
 
 if TYPE_CHECKING:
@@ -126,10 +130,10 @@ class AsyncRollouts:
         self.coord, self.lag = coord, lag
         cfg, state = coord.config, coord.state
         self.agents = list(cfg.agents)
-        self.bounds = {a: (spec.rollout.max_staleness if spec.rollout.max_staleness is not None
-                           else cfg.train.max_staleness) for a, spec in cfg.agents.items()}
+        self.bounds = agent_bounds(cfg)
         self.apart = set(getattr(coord.pool, "engines_apart", ()))  # agents whose rollout engine is a process of its own
-        self.limit = cfg.train.steps
+        self.steps = cfg.train.steps
+        self.limit = self.steps + lag  # the first step not played: the last checkpoint keeps the L after the run's end
         self.base = state.step
         self.played: dict[int, Played] = {r["step"]: Played.from_record(r) for r in state.rollouts}
         self.next_play = max(self.played, default=self.base - 1) + 1
@@ -156,7 +160,7 @@ class AsyncRollouts:
                 before = copy.copy(data)
                 epoch = data.epoch
                 samples = next_batch(coord.samples, cfg.batch_size, data, cfg.seed, coord.config.data.shuffle)
-                if data.epoch != epoch:
+                if data.epoch != epoch and step < self.steps:
                     warn_epoch(coord)
                 episodes = rollout.play(coord.make_env, samples, cfg.num_generations, coord.assignment,
                                         self._generate_for(step), seed=cfg.seed, first_episode=episodes_before,

@@ -4,8 +4,10 @@ charts (orchestrator/report.py).
     marsi plot RUN [RUN ...]   ->  plot.png (every panel, two to a row) and reward.png (the reward panel alone),
                                    in the first run's directory or --out DIR
 
-Panels, in drawing order; a training panel is drawn only when one of its curves varies (a constant
-`turns/mean`, or a loss that is 0 at every step, gets none):
+Panels, in drawing order. The reward panel is always drawn (a run stuck at 0 shows it flat); any other training
+panel only when one of its curves varies: a constant `turns/mean`, `invalid_rate` or zero-variance share, or a
+loss that is 0 at every step, gets no panel but a line of `flat_notes` (each curve's value), printed under the
+figure and the report's curves:
 
 - reward: the shared reward per step, raw (thin) under its smoothed curve (bold: an exponential moving
   average, `smoothing` its weight, debiased at the start as TensorBoard's); a +-1 std band clipped to the
@@ -75,6 +77,8 @@ class Panel:
     series: list[Series] = field(default_factory=list)
     bounds: tuple[float | None, float | None] = (None, None)
     """The metric's own bounds (a share lies in [0, 1]); bands and bars are clipped to them."""
+    always: bool = False
+    """Drawn even when no curve varies (the reward, an evaluation)."""
 
 
 def _number(value: Any) -> float:
@@ -152,7 +156,7 @@ def reward_panel(rows: list[dict[str, Any]], weight: float = SMOOTHING) -> Panel
             for m, s, hi in zip(mean.values, std, per_step(rows, "reward/max").values)]
     mean.band = (low, high)
     return Panel(f"shared reward (mean, smoothed {weight:g}; band +-1 std within the step's range)", "reward",
-                 [smoothed(mean, weight)])
+                 [smoothed(mean, weight)], always=True)
 
 
 def role_panel(rows: list[dict[str, Any]], weight: float = SMOOTHING) -> Panel:
@@ -184,7 +188,7 @@ def run_panels(rows: list[dict[str, Any]], weight: float = SMOOTHING) -> list[Pa
         found.append(Panel(f"{group} (95% confidence bars)", group.removeprefix("eval/"),
                            [sparse(rows, k, k.removeprefix(group + "/") if k != group else k.removeprefix("eval/"))
                             for k in keys],
-                           bounds))
+                           bounds, always=True))
     return found
 
 
@@ -197,24 +201,43 @@ def varies(panel: Panel) -> bool:
     return False
 
 
-def panels(runs: dict[str, list[dict[str, Any]]] | list[dict[str, Any]], smoothing: float = SMOOTHING) -> list[Panel]:
-    """The panels of one run's rows, or of several runs (name -> rows) overlaid: curves labelled `RUN: label`,
-    each curve of each run its own colour. Training panels without a varying curve are left out."""
+def _merged(runs: dict[str, list[dict[str, Any]]] | list[dict[str, Any]], smoothing: float) -> list[Panel]:
+    """Every panel of one run's rows, or of several runs (name -> rows) overlaid: curves labelled `RUN: label`."""
     runs = {"": runs} if isinstance(runs, list) else runs
     merged: dict[str, Panel] = {}
     for name, rows in runs.items():
         for panel in run_panels(rows, smoothing):
-            into = merged.setdefault(panel.title, Panel(panel.title, panel.ylabel, [], panel.bounds))
+            into = merged.setdefault(panel.title, Panel(panel.title, panel.ylabel, [], panel.bounds, panel.always))
             for s in panel.series:
                 s.label = f"{name}: {s.label}" if len(runs) > 1 else s.label
                 into.series.append(s)
-    found = [p for p in merged.values() if p.series and (p.title.startswith("eval/") or varies(p))]
+    return [p for p in merged.values() if any(not math.isnan(v) for s in p.series for v in s.raw or s.values)]
+
+
+def panels(runs: dict[str, list[dict[str, Any]]] | list[dict[str, Any]], smoothing: float = SMOOTHING) -> list[Panel]:
+    """The panels to draw of one run's rows, or of several runs (name -> rows) overlaid, each curve of each run its
+    own colour: the reward and evaluation panels, and every other panel with a curve that varies."""
+    found = [p for p in _merged(runs, smoothing) if p.always or varies(p)]
     for panel in found:
         for i, s in enumerate(panel.series):
             s.color = i
             if s.band is not None:
                 s.band = (clip(s.band[0], *panel.bounds), clip(s.band[1], *panel.bounds))
     return found
+
+
+def flat_notes(runs: dict[str, list[dict[str, Any]]] | list[dict[str, Any]]) -> list[str]:
+    """One line per training panel left out because no curve of it varies: its title and each curve's value
+    (`invalid_rate: 0`, `share of groups with equal returns (no gradient) per agent: a 1, b 1`)."""
+    notes = []
+    for panel in _merged(runs, SMOOTHING):
+        if panel.always or varies(panel):
+            continue
+        values = [(s.label, next(v for v in s.raw or s.values if not math.isnan(v))) for s in panel.series
+                  if any(not math.isnan(v) for v in s.raw or s.values)]
+        cells = [f"{v:g}" if label == panel.title else f"{label} {v:g}" for label, v in values]
+        notes.append(f"{panel.title}: {', '.join(cells)}")
+    return notes
 
 
 def draw(ax, panel: Panel) -> None:
@@ -242,17 +265,24 @@ def draw(ax, panel: Panel) -> None:
         ax.legend(fontsize="small")
 
 
-def figure(found: list[Panel], columns: int = 2):
-    """A figure holding `found`, `columns` to a row."""
+def figure(found: list[Panel], columns: int = 2, notes: list[str] | None = None):
+    """A figure holding `found`, `columns` to a row, and `notes` (the constant curves) under them."""
+    import textwrap
+
     import matplotlib.pyplot as plt
 
     rows = max(1, math.ceil(len(found) / columns))
-    fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 3.6 * rows), squeeze=False)
+    text = "\n".join(textwrap.fill(n, 60 * columns, subsequent_indent="    ")
+                     for n in ["Constant over the run (no panel):", *notes]) if notes else ""
+    height = 3.6 * rows + 0.17 * (text.count("\n") + 1 if text else 0)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, height), squeeze=False)
     for ax, panel in zip(axes.flat, found):
         draw(ax, panel)
     for ax in axes.flat[len(found):]:
         ax.set_visible(False)
-    fig.tight_layout()
+    if text:
+        fig.text(0.01, 0.005, text, fontsize="small", va="bottom", family="monospace")
+    fig.tight_layout(rect=(0, (0.17 * (text.count("\n") + 1) + 0.1) / height if text else 0, 1, 1))
     return fig
 
 
@@ -277,12 +307,13 @@ def plot(run_dirs: str | Path | list[str | Path], out: str | Path | None = None,
     import matplotlib.pyplot as plt
 
     run_dirs = [run_dirs] if isinstance(run_dirs, (str, Path)) else list(run_dirs)
-    found = panels(read_runs(run_dirs), smoothing)
+    runs = read_runs(run_dirs)
+    found, notes = panels(runs, smoothing), flat_notes(runs)
     out = Path(out) if out is not None else Path(run_dirs[0])
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, chosen, columns in (("plot.png", found, 2), ("reward.png", found[:1], 1)):
-        fig = figure(chosen, columns)
+    for name, chosen, columns, said in (("plot.png", found, 2, notes), ("reward.png", found[:1], 1, None)):
+        fig = figure(chosen, columns, said)
         fig.savefig(out / name, dpi=100)
         plt.close(fig)
         written.append(out / name)

@@ -7,14 +7,17 @@ fetched. Sections:
 
 - curves: the panels of orchestrator/plot.py (team reward smoothed over the raw one, per-agent entropy, KL,
   grad norm, clip fraction, log-prob gap, zero-variance share, evaluation with 95% confidence bars), drawn
-  with Plotly, several runs overlaid;
+  with Plotly, several runs overlaid; the reward panel always, and each constant curve named with its value in
+  one line under them (`plot.flat_notes`);
 - evaluation: a table per run of every evaluation (step 0 is the initial weights; `marsi eval` results from
   eval.jsonl by checkpoint name), each metric as mean +- 95% confidence, as trained and per partner setting;
 - episodes: the training transcripts (transcripts.jsonl) and evaluation transcripts (eval_transcripts.jsonl),
   filtered by run, kind, step range, agent, role, lowest reward and text; each turn shows every action's
   role, agent, policy version, prompt, completion and advantage, and the turn's reward (a role's attempts at
   one prompt together: the prompt once, then each attempt's completion, reward and advantage). The filter is kept
-  in the address's fragment (`report.html#kind=train&reward_min=1`), so a view can be linked to;
+  in the address's fragment (`report.html#kind=train&reward_min=1`), so a view can be linked to (a malformed
+  fragment is ignored). At most `max_mb` of episodes are inlined (`orchestrator.transcripts`: the most recent
+  and a spread of the older ones, the rest counted on the page); a malformed record is skipped and counted;
 - each run's config.yaml and the environment's source (RUN_DIR/source/).
 """
 
@@ -27,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.plot import SMOOTHING, Panel, panels, read_runs
-from orchestrator.runlog import EVAL_TRANSCRIPTS, TRANSCRIPTS, read_jsonl
+from orchestrator.plot import CONFIDENCE, SMOOTHING, Panel, flat_notes, panels, read_runs
+from orchestrator.runlog import read_jsonl
+from orchestrator.transcripts import MAX_MB, Inlined, inlined
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf"]
@@ -101,7 +105,7 @@ def _settings(when: str, row: dict[str, Any], prefix: str) -> list[dict[str, Any
             if name == "episodes" or not isinstance(row[prefix + key], (int, float)):
                 continue
             stderr = row.get(f"{prefix}{key}/stderr")
-            mine[name] = (row[prefix + key], 1.96 * stderr if isinstance(stderr, (int, float)) else None)
+            mine[name] = (row[prefix + key], CONFIDENCE * stderr if isinstance(stderr, (int, float)) else None)
         out.append({"when": when, "setting": label or "as trained", "metrics": mine,
                     "episodes": row.get(f"{prefix}{label + '/' if label else ''}episodes")})
     return out
@@ -127,22 +131,25 @@ def evaluation_table(rows: list[dict[str, Any]]) -> str:
             "clustered per held-out sample)</p>")
 
 
-def _shared(reward: Any) -> float:
-    if isinstance(reward, dict):
-        return sum(reward.values()) / max(1, len(reward))
-    return float(reward)
+def _flat(notes: list[str]) -> str:
+    """The constant curves, which get no panel: one line each."""
+    if not notes:
+        return ""
+    return ("<p class=note id=flat>Constant over the run (no panel): "
+            + "; ".join(f"<span>{html.escape(n)}</span>" for n in notes) + ".</p>")
 
 
-def episodes(run: str, run_dir: Path) -> list[dict[str, Any]]:
-    """The run's training and evaluation transcripts as the episode browser reads them."""
-    out = []
-    for kind, name in (("train", TRANSCRIPTS), ("eval", EVAL_TRANSCRIPTS)):
-        for t in read_jsonl(run_dir / name):
-            out.append({"run": run, "kind": kind, "step": t["step"], "episode": t.get("episode"),
-                        "sample": t.get("sample"), "setting": t.get("setting", ""), "reward": _shared(t["reward"]),
-                        "rewards": t["reward"], "info": t.get("info", {}), "turns": t.get("turns", []),
-                        "ended": "terminated" if t.get("terminated") else "truncated"})
-    return out
+def _held(found: Inlined, max_mb: float) -> str:
+    """What the page holds of the runs' episodes: how many of how many, and the malformed records skipped."""
+    parts = []
+    if len(found.episodes) < found.total:
+        parts.append(f"This page holds {len(found.episodes)} of the runs' {found.total} saved episodes (the most recent "
+                     f"and a spread over the older ones, {max_mb:g} MB in all); <code>marsi report --max-mb</code> "
+                     "holds more.")
+    if found.skipped:
+        where = ", ".join(found.skipped[:5]) + (", ..." if len(found.skipped) > 5 else "")
+        parts.append(f"{len(found.skipped)} malformed transcript record(s) skipped ({html.escape(where)}).")
+    return f"<p class=note id=held>{' '.join(parts)}</p>" if parts else ""
 
 
 def _json_script(element_id: str, value: Any) -> str:
@@ -165,8 +172,9 @@ def _sources(run_dir: Path) -> str:
 
 
 def report(run_dirs: str | Path | list[str | Path], out: str | Path | None = None,
-           smoothing: float = SMOOTHING) -> Path:
-    """Write the HTML report of `run_dirs` to `out` (default: the first run's report.html); returns its path."""
+           smoothing: float = SMOOTHING, max_mb: float = MAX_MB) -> Path:
+    """Write the HTML report of `run_dirs` to `out` (default: the first run's report.html), inlining at most
+    `max_mb` of their episodes (`orchestrator.transcripts`); returns its path."""
     from plotly.offline import get_plotlyjs
 
     run_dirs = [Path(d) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]
@@ -176,14 +184,14 @@ def report(run_dirs: str | Path | list[str | Path], out: str | Path | None = Non
     names = list(runs)
     evals = "".join(f"<h3>{html.escape(n)}</h3>{evaluation_table(evaluation_rows(d))}" if len(names) > 1
                     else evaluation_table(evaluation_rows(d)) for n, d in zip(names, run_dirs))
-    found = [e for n, d in zip(names, run_dirs) for e in episodes(n, d)]
+    found = inlined(dict(zip(names, run_dirs)), max_mb)
     sources = "".join(f"<h3>{html.escape(n)}</h3>{_sources(d)}" if len(names) > 1 else _sources(d)
                       for n, d in zip(names, run_dirs))
     title = "marsi report: " + ", ".join(names)
     page = PAGE.format(title=html.escape(title), plotly=get_plotlyjs(), style=STYLE, charts=charts, evals=evals,
-                       data=_json_script("episodes", found), script=SCRIPT, sources=sources,
-                       made=time.strftime("%Y-%m-%d %H:%M:%S"), count=len(found),
-                       smoothing=f"{smoothing:g}")
+                       flat=_flat(flat_notes(runs)), held=_held(found, max_mb),
+                       data=_json_script("episodes", found.episodes), script=SCRIPT, sources=sources,
+                       made=time.strftime("%Y-%m-%d %H:%M:%S"), smoothing=f"{smoothing:g}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(page)
     return out
@@ -207,7 +215,11 @@ pre { white-space: pre-wrap; background: #fafafa; padding: 4px 6px; margin: 2px 
 
 SCRIPT = r"""
 (function () {
-  const all = JSON.parse(document.getElementById("episodes").textContent);
+  const sound = e => e && typeof e === "object" && Array.isArray(e.turns) && e.turns.every(t =>
+    t && Array.isArray(t.actions) && t.infos && typeof t.infos === "object" &&
+    t.actions.every(a => a && typeof a.role === "string" && typeof a.agent === "string"));
+  const data = JSON.parse(document.getElementById("episodes").textContent);
+  const all = data.filter(sound), unsound = data.length - all.length;  // a record the page cannot show: skipped
   const form = document.getElementById("filters"), list = document.getElementById("list");
   const count = document.getElementById("count"), LIMIT = 200;
   const fields = ["run", "kind", "step_min", "step_max", "agent", "role", "reward_min", "text"];
@@ -300,17 +312,23 @@ SCRIPT = r"""
   function render() {
     const f = read();
     const found = all.filter(e => matches(e, f));
-    list.replaceChildren(...found.slice(0, LIMIT).map((e, i) => {
-      const li = el("li"); li.appendChild(episode(e, i === 0)); return li;
+    let failed = 0;
+    list.replaceChildren(...found.slice(0, LIMIT).flatMap((e, i) => {
+      try {
+        const li = el("li"); li.appendChild(episode(e, i === 0)); return [li];
+      } catch (error) { failed += 1; return []; }  // one record that cannot be drawn stops no other
     }));
     count.textContent = found.length + " of " + all.length + " episodes match" +
-      (found.length > LIMIT ? "; the first " + LIMIT + " are listed" : "");
+      (found.length > LIMIT ? "; the first " + LIMIT + " are listed" : "") +
+      (unsound + failed ? "; " + (unsound + failed) + " malformed record(s) not shown" : "");
     const hash = fields.filter(n => f[n] !== "").map(n => n + "=" + encodeURIComponent(f[n])).join("&");
     history.replaceState(null, "", hash ? "#" + hash : location.pathname);
   }
   for (const part of location.hash.slice(1).split("&")) {
-    const [name, value] = part.split("=");
-    if (fields.includes(name)) form.elements[name].value = decodeURIComponent(value || "");
+    const at = part.indexOf("="), name = at < 0 ? part : part.slice(0, at);
+    let value = at < 0 ? "" : part.slice(at + 1);
+    try { value = decodeURIComponent(value); } catch (error) { continue; }  // a malformed escape: ignored
+    if (fields.includes(name)) form.elements[name].value = value;
   }
   form.addEventListener("input", render);
   form.addEventListener("reset", () => setTimeout(render));
@@ -329,9 +347,11 @@ PAGE = """<!DOCTYPE html>
 average (weight {smoothing}).</p>
 <h2 id=curves>Curves</h2>
 <div class=charts>{charts}</div>
+{flat}
 <h2 id=evaluation>Evaluation</h2>
 {evals}
 <h2 id=episodes-section>Episodes</h2>
+{held}
 <form id=filters onsubmit="return false">
 <label>run <select name=run id=run><option value="">all</option></select></label>
 <label>kind <select name=kind><option value="">all</option><option value=train>training</option>

@@ -13,7 +13,10 @@ Words (docs/roles-and-schedules.md, "Asynchronous rollouts"):
   as they stood after the updates of the steps before r - L (never before the step the pipeline started at).
   `rollout_lag` picks the largest L for which no agent updates more than K times in any L consecutive steps,
   so with the run's K every action, an agent's own and its partners', is at most K versions behind when used:
-  K steps under `simultaneous`, 2K under `alternate`, nK under `round_robin` over n agents (period 1).
+  K steps under `simultaneous`, 2K under `alternate`, nK under `round_robin` over n agents (period 1). An
+  agent's own, tighter K_X lowers L until it holds at every update of X (a bound that no L > 0 can keep,
+  such as K_X = 0 beside a partner that trains the step before, makes the rollouts synchronous): the pipeline
+  waits rather than leave X with nothing fresh enough to train on.
 """
 
 from __future__ import annotations
@@ -24,24 +27,62 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from orchestrator.rollout import Episode
+from orchestrator.schedule import Schedule
+from protocols.config import RunConfig
 
 
-def rollout_lag(training_agents: Callable[[int], list[str]], cycle: int, max_staleness: int) -> int:
+def rollout_lag(training_agents: Callable[[int], list[str]], cycle: int, max_staleness: int,
+                bounds: dict[str, int] | None = None) -> int:
     """The largest L such that no agent is among `training_agents(step)` more than `max_staleness` times in any
-    L consecutive steps (the schedule repeats every `cycle` steps). 0 for K = 0; K when nobody ever trains."""
+    L consecutive steps (the schedule repeats every `cycle` steps), and, with `bounds` (an agent's own K_X, at
+    most K), no agent more than K_X times in the L steps before any step at which X trains: so X's own actions
+    and its partners' (every agent of the run counts as one) are at most K_X versions behind when it uses them,
+    and X is never left without an action to train on. 0 for K = 0; K when nobody ever trains."""
     if max_staleness == 0:
         return 0
     counts = [set(training_agents(s)) for s in range(cycle)]
     if not any(counts):
         return max_staleness
+    agents = set().union(*counts)
     best = 0
     for lag in range(1, max_staleness * cycle + cycle + 1):
         worst = max(sum(agent in counts[(start + k) % cycle] for k in range(lag))
-                    for start in range(cycle) for agent in set().union(*counts))
+                    for start in range(cycle) for agent in agents)
         if worst > max_staleness:
             break
         best = lag
+    tight = {x: k for x, k in (bounds or {}).items() if k < max_staleness and x in agents}
+    while best > 0 and any(sum(y in counts[(step - k) % cycle] for k in range(1, best + 1)) > tight[x]
+                           for step in range(cycle) for x in counts[step] & set(tight) for y in agents):
+        best -= 1
     return best
+
+
+def planned_lag(config: RunConfig, schedule: Schedule) -> tuple[int, str | None]:
+    """The run's lag (`rollout_lag` with every agent's bound), and what to say when agents' own bounds hold the
+    rollouts closer than `train.max_staleness` alone would: the agent whose bound holds them closest, both keys,
+    and the fix (None when they do not)."""
+    max_staleness, bounds = config.train.max_staleness, agent_bounds(config)
+    lag_of = lambda own: rollout_lag(schedule.training_agents, schedule.cycle, max_staleness, own)  # noqa: E731
+    lag, widest = lag_of(bounds), lag_of({})
+    if lag >= widest:
+        return lag, None
+    own = {x: lag_of({x: k}) for x, k in bounds.items() if k < max_staleness}
+    agent = min(own, key=lambda x: (own[x], bounds[x], x))
+    where = "synchronous" if lag == 0 else f"{lag} step(s) ahead"
+    kind = config.schedule.kind
+    note = (f"agents.{agent}.rollout.max_staleness {bounds[agent]} keeps rollouts {where} (train.max_staleness "
+            f"{max_staleness} alone plays them {widest} step(s) ahead under schedule {kind}, where {agent}'s own or its "
+            f"partners' actions would be more than {bounds[agent]} version(s) behind at its updates, which would then be "
+            f"skipped); raise agents.{agent}.rollout.max_staleness to {max_staleness} to play {widest} step(s) ahead"
+            + (", or set train.max_staleness: 0 to say so" if lag == 0 else ""))
+    return lag, note
+
+
+def agent_bounds(config: RunConfig) -> dict[str, int]:
+    """Each agent's K_X: `agents.X.rollout.max_staleness`, else `train.max_staleness`."""
+    return {a: spec.rollout.max_staleness if spec.rollout.max_staleness is not None else config.train.max_staleness
+            for a, spec in config.agents.items()}
 
 
 def weights_step(rollout_step: int, lag: int, base: int) -> int:

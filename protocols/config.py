@@ -584,9 +584,9 @@ class TrainConfig(_Strict):
     start_timeout_s: float | None = Field(1800.0, gt=0.0)
     """Trainers not up (model loaded) this long after placement fail the start (Ray trainers); None waits forever."""
     transcripts_per_step: int = Field(2, ge=0)
-    """Episodes per step written whole to transcripts.jsonl (the first ones played: the first sample's group),
-    each turn with its prompt, completion, reward, advantage and the acting agent's policy version; `marsi report`
-    browses them. 0: none."""
+    """Episodes per step written whole to transcripts.jsonl, spread over the step's samples (the first episode of
+    each sample's group, then the second of each, ...), each turn with its prompt, completion, reward, advantage
+    and the acting agent's policy version; `marsi report` browses them. 0: none."""
     transcripts_max_mb: float | None = Field(200.0, gt=0.0)
     """Size bound of transcripts.jsonl and of eval_transcripts.jsonl, each, in MB. A step whose transcripts would
     take a file past it writes none, and neither does any later step (metrics go on; a line on stderr says so once);

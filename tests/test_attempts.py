@@ -124,6 +124,17 @@ def test_evaluation_reports_pass_at_k_over_each_prompts_attempts():
     assert "pass@1" not in out  # no episode reports success: nothing over episodes
 
 
+def test_pass_at_k_over_attempts_weighs_each_sample_alike_as_its_standard_error_does():
+    """Sample 0 has two prompts (2 of 3 right, 3 of 3), sample 1 one (0 of 3): pass@1 is the mean of the per-sample
+    means, (5/6 + 0) / 2, not the mean over prompts, (2/3 + 1 + 0) / 3."""
+    episodes = play_two()
+    [third] = play_two(solver=("b", "b", "b", "b", "b", "b"))[:1]
+    third.sample_index = 1
+    out = summarise([*episodes, third], [1])
+    assert out["pass@1/solver"] == pytest.approx((5 / 6 + 0) / 2)
+    assert out["pass@1/solver/stderr"] == pytest.approx(abs(5 / 6 - 0) / 2)  # sample std of (5/6, 0) / sqrt(2)
+
+
 def test_evaluation_plays_the_training_k_unless_eval_attempts_says_otherwise(capsys):
     """Four held-out samples, one episode each, answered by a scripted solver that is always right."""
     answers = {"p": ["a"] * 4, "s": ["a"] * 12}

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.advantages import decision_rewards, gae, normalised_per_agent
 from orchestrator.credit import CriticCredit, critic_state
-from orchestrator.rollout import Action, Episode, Turn
+from orchestrator.rollout import Action, Episode, RecordedRoles, Turn
 from protocols.config import ConfigError, critic_members, member_layout, validate_config
 from protocols.messages import Completion
 from tests.envs import LetterEnv, config
@@ -82,14 +82,46 @@ def test_advantages_are_normalised_per_agent():
 
 
 @pytest.mark.fast
-def test_an_agent_without_reward_signal_is_centred_not_scaled():
-    # agent a's returns are all 0: its advantages differ only by the critic's noise, which must stay small;
+def test_an_agent_without_reward_signal_gets_no_advantage():
+    # agent a's returns are all 0: its advantages differ only by the critic's noise, so they are 0;
     # agent b's returns vary, so its advantages are scaled to unit std as before
     adv = [-0.0061, -0.0059, -0.0060, 0.7, -0.1, -0.1]
     out = normalised_per_agent(adv, ["a", "a", "a", "b", "b", "b"], returns=[0.0, 0.0, 0.0, 0.75, 0.0, 0.0])
-    assert out[:3] == pytest.approx([-0.0001, 0.0001, 0.0], abs=1e-9)
+    assert out[:3] == [0.0, 0.0, 0.0]
     b = out[3:]
     assert math.sqrt(sum(x * x for x in b) / 3) == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("scale", [0.01, 0.1, 1.0, 3.0, 10.0, 100.0])
+def test_a_batch_without_reward_signal_never_gets_a_larger_step_than_one_with_signal(scale):
+    """One-turn episodes scored by a critic whose values err by up to a tenth of the reward's scale (in the reward's
+    units, as a critic's do): a batch whose rewards are all equal (all won, all lost) carries no signal and must not
+    move the policy more than a batch whose rewards differ, at any scale of the reward."""
+    import random
+
+    raw = config(agents=("alice",), roles={"x": "alice"}, algorithm={"baseline": "critic"},
+                 critic={"kind": "per_agent", "gae_lambda": 1.0})
+    credit = CriticCredit(validate_config(raw))
+    rng = random.Random(0)
+
+    def values_of(states):
+        return {c: [scale * (0.5 + rng.uniform(-0.1, 0.1)) for _ in s] for c, s in states.items()}
+
+    def advantages(rewards):
+        episodes = []
+        for i, reward in enumerate(rewards):
+            episode = Episode(index=i, sample_index=i // 4, env=RecordedRoles(["x"]), terminated=True)
+            episode.turns = [Turn([_action("x", "alice", f"x-prompt-{i}", "said")], reward, {})]
+            episodes.append(episode)
+        experiences, _ = credit.score(episodes, values_of)
+        return [e.advantage for e in experiences["alice"]]
+
+    rms = lambda xs: math.sqrt(sum(x * x for x in xs) / len(xs))  # noqa: E731  the step's size, per token
+    signal = advantages([scale * r for r in (1, 0, 1, 0, 0, 1, 0, 0)])
+    assert rms(signal) == pytest.approx(1.0, abs=0.05)  # normalised per agent, whatever the scale
+    for flat in ([scale] * 8, [0.0] * 8, [-scale] * 8):
+        assert max(abs(a) for a in advantages(flat)) <= rms(signal), (scale, flat)
 
 
 # ----------------------------------------------------------------------------- what critics see
@@ -210,6 +242,63 @@ def test_states_that_begin_each_other_share_a_forward_and_keep_their_own_values(
     alone = [critic.values([s])[0] for s in states]
     assert together == pytest.approx(alone, abs=1e-5)
     assert len(set(round(v, 4) for v in together)) == len(states)
+
+
+def _shared_rows_by_scanning(rows):
+    """The grouping `CriticTrainer._batches` made before `shared_rows`: every row against every carrier."""
+    carriers, reads = [], []
+    for i in sorted(range(len(rows)), key=lambda i: -len(rows[i])):
+        r = rows[i]
+        home = next((c for c, long in enumerate(carriers) if long[:len(r)] == r), None)
+        if home is None:
+            carriers.append(r)
+            reads.append([])
+            home = len(carriers) - 1
+        reads[home].append((i, len(r) - 1))
+    return carriers, reads
+
+
+class _Counted(list):
+    """A row that counts the comparisons made with it."""
+
+    seen = 0
+
+    def __eq__(self, other):
+        _Counted.seen += 1
+        return list.__eq__(self, other)
+
+    def __ne__(self, other):
+        _Counted.seen += 1
+        return list.__ne__(self, other)
+
+    def __lt__(self, other):
+        _Counted.seen += 1
+        return list.__lt__(self, other)
+
+    __hash__ = None
+
+
+@pytest.mark.fast
+def test_states_that_begin_each_other_are_grouped_as_before_with_n_log_n_comparisons():
+    import random
+
+    from agent_trainer.critic_trainer import shared_rows
+
+    rng = random.Random(0)
+    for trial in range(200):  # chains of turns, repeated states, states of equal length, strangers
+        rows = []
+        for _ in range(rng.randint(1, 12)):
+            chain = [rng.randint(0, 3) for _ in range(rng.randint(1, 9))]
+            rows += [chain[:rng.randint(1, len(chain))] for _ in range(rng.randint(1, 4))]
+        rng.shuffle(rows)
+        assert shared_rows(rows) == _shared_rows_by_scanning(rows), rows
+    n = 4000  # states that begin no other: the scan compared each with every carrier before it, n**2 / 2
+    rows = [_Counted([i, i % 7]) for i in range(n)]
+    rng.shuffle(rows)
+    _Counted.seen = 0
+    carriers, reads = shared_rows(rows)
+    assert len(carriers) == n and sorted(i for read in reads for i, _ in read) == list(range(n))
+    assert _Counted.seen <= 3 * n * math.ceil(math.log2(n)), _Counted.seen  # a sort's count, not n**2 / 2 = 8e6
 
 
 @pytest.mark.fast

@@ -108,6 +108,20 @@ def test_yaml_blocks_follow_the_config_schema(lang, body, reason):
         TypeAdapter(RunConfig.model_fields[section].annotation).validate_python(value)
 
 
+def test_per_role_rewards_are_not_said_to_be_for_zero_sum_games_only():
+    for page in PAGES:
+        text = " ".join(page.read_text().split())
+        assert not re.search(r"per[- ]role rewards? (for|in) zero-sum games", text), page
+
+
+def test_the_cli_reference_prints_help_as_marsi_help_does():
+    import runpy
+
+    page = runpy.run_path(str(REPO / "docs" / "gen_ref.py"), run_name="gen_ref")["cli_reference"]()  # not a build
+    [row] = [line for line in page.splitlines() if line.startswith("| `--compare` |")]
+    assert "with a 95% confidence interval" in row and "%%" not in page
+
+
 @pytest.mark.subprocess
 @pytest.mark.skipif(shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None,
                     reason="needs the docs extra (make setup installs it)")

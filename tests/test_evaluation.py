@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import subprocess
 import time
 
@@ -91,6 +92,27 @@ def test_comparisons_and_standard_errors_are_clustered_per_sample_so_copies_add_
     single = summarise([episode(s, r) for s, r in enumerate(after)], [])
     four = summarise([episode(s, r) for s, r in enumerate(after) for _ in range(4)], [])
     assert four["reward/mean/stderr"] == pytest.approx(single["reward/mean/stderr"]) and single["reward/mean/stderr"] > 0
+
+
+def test_with_unequal_episodes_per_sample_every_figure_weighs_the_samples_alike():
+    """Sample 0 has 4 episodes, sample 1 one, sample 2 two (an episode_info key some episodes leave out gives such
+    counts too). The mean, its standard error and the paired difference all take the per-sample means as the units,
+    so the difference is exactly after - before: the episode-weighted means disagreed with the per-sample difference
+    (here +0.143 against -0.167, of opposite sign)."""
+    samples = [0, 0, 0, 0, 1, 2, 2]
+    before = [0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+    after = [0.5, 0.5, 0.5, 0.5, 0.0, 0.5, 0.5]
+    c = compare(before, after, samples)
+    assert c["before"] == pytest.approx((0.0 + 1.0 + 0.5) / 3) and c["after"] == pytest.approx((0.5 + 0.0 + 0.5) / 3)
+    assert c["difference"] == c["after"] - c["before"]  # by construction, to the last bit
+    assert c["difference"] == pytest.approx((0.5 - 1.0 + 0.0) / 3) and c["samples"] == 3 and c["episodes"] == 7
+    out = summarise([episode(s, r, success=r) for s, r in zip(samples, after)], [1])
+    assert out["reward/mean"] == pytest.approx(c["after"])  # the summary's mean is the same estimator
+    assert out["reward/mean/stderr"] == pytest.approx(statistics.stdev([0.5, 0.0, 0.5]) / 3 ** 0.5)
+    assert out["episode/success"] == pytest.approx(c["after"]) and out["pass@1"] == pytest.approx(c["after"])
+    # an episode_info key that only some episodes report: each sample that reports it weighs the same
+    partial = [episode(0, 0.0, success=1.0)] + [episode(0, 0.0)] * 3 + [episode(1, 0.0, success=0.0)] * 3
+    assert summarise(partial, [])["episode/success"] == pytest.approx(0.5)  # not 1 / 4
 
 
 def test_greedy_evaluation_with_several_episodes_per_sample_is_warned_about_once(capsys):
@@ -192,6 +214,18 @@ def test_marsi_eval_on_a_finished_run_and_on_a_config(tmp_path):
     assert out.returncode == 0, out.stderr
     table = [line for line in out.stdout.splitlines() if not line.startswith("marsi: ")]
     assert table[1].split()[:2] == ["initial", "8"]
+
+
+def test_marsi_evals_table_shows_95_percent_intervals_as_the_report_does_and_says_so(capsys):
+    from orchestrator.cli import _print_eval_table
+    from orchestrator.evaluation import EvalResult
+
+    result = EvalResult(metrics={"eval/reward/mean": 0.5, "eval/reward/mean/stderr": 0.1, "eval/episodes": 8.0},
+                        episodes={"": {"reward/mean": [0.5] * 8}}, samples=list(range(8)))
+    _print_eval_table({"last (step 2)": result})
+    header, row, said = capsys.readouterr().out.splitlines()
+    assert row.split()[:3] == ["last", "(step", "2)"] and "0.500 ± 0.196" in row  # 1.96 standard errors, not 1
+    assert said == "mean ± 95% confidence (1.96 standard errors, clustered per held-out sample: docs/evaluation.md)"
 
 
 def test_bad_eval_settings_get_one_line(tmp_path):

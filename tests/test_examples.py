@@ -85,12 +85,22 @@ def test_check_env_catches_broken_environments(env, message):
         check_env(env, [{}])
 
 
+def test_the_custom_coordinator_page_shows_the_scripts_own_loop():
+    import re
+
+    page = (EXAMPLES.parent / "docs" / "custom-coordinators.md").read_text()
+    [loop] = re.findall(r"```python\n(with coord:\n.*?)```", page, re.S)
+    assert loop in (EXAMPLES / "custom_coordinator.py").read_text()
+
+
 def test_custom_coordinator_script_runs_and_resumes_exactly(ray_cluster, tmp_path):
     import os
     import subprocess
     import sys
 
     import ray
+
+    from tests.runs import MARSI
 
     # each run of the script joins the session's cluster (RAY_ADDRESS), as a driver on a running cluster does
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
@@ -105,6 +115,21 @@ def test_custom_coordinator_script_runs_and_resumes_exactly(ray_cluster, tmp_pat
     (tmp_path / "cut").mkdir()
     whole = script(3, cwd=tmp_path / "whole")
     assert [line.split()[5] for line in whole[:3]] == ["alice", "bob", "alice"]
+    # its records are a run's: what run() logs, a spread of episodes, an evaluation; plot, report and eval read them
+    [run] = (tmp_path / "whole" / "runs").glob("custom-coordinator-*")
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trained"] for r in steps if "trained" in r] == [["alice"], ["bob"], ["alice"]]
+    for key in ("reward/mean", "invalid_rate", "loss/alice", "grad_norm/alice", "groups/zero_variance/bob"):
+        assert key in steps[0], key
+    assert "eval/reward/mean" in steps[-1] and steps[-1]["step"] == 3
+    kept = [json.loads(line) for line in (run / "transcripts.jsonl").read_text().splitlines()]
+    assert [(t["step"], t["sample"]) for t in kept] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    assert [a["role"] for turn in kept[0]["turns"] for a in turn["actions"]] == ["speaker", "listener"]
+    for command in (["report", run], ["plot", run], ["eval", run, "eval.max_samples=2", "eval.episodes_per_sample=1"]):
+        out = subprocess.run([*MARSI, *map(str, command)], capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr
+    page = (run / "report.html").read_text()
+    assert "loss per agent" in page and '"kind": "train"' in page and "step 3" in page
     first = script(2, cwd=tmp_path / "cut")
     [run_dir] = (tmp_path / "cut" / "runs").glob("custom-coordinator-*")  # a new directory per run
     assert (run_dir / "checkpoints" / "step-000002" / "agents" / "bob").is_dir()

@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from orchestrator.plot import agent_series, figure, panels, plot  # noqa: E402
+from orchestrator.plot import agent_series, figure, flat_notes, panels, plot  # noqa: E402
 
 
 def alternating_rows(steps: int = 8) -> list[dict]:
@@ -68,6 +68,27 @@ def test_panels_show_training_metrics_that_vary_and_leave_out_constant_ones():
     evals = {s.label: s for s in found["eval/reward"].series}
     assert evals["mean"].steps == [4, 8] and evals["mean"].values == [0.2, 0.4]  # joined from eval to eval
     assert evals["x"].steps == [4, 8]
+
+
+def test_a_stalled_run_keeps_its_reward_panel_and_names_its_constant_curves():
+    """A run stuck at reward 0: every group flat, nothing invalid, nothing learned. The reward panel is drawn all the
+    same (flat at 0), and each constant curve is named with its value in one line per panel, under the figure."""
+    rows = [{"step": s, "trained": ["a", "b"], "reward/mean": 0.0, "reward/std": 0.0, "reward/min": 0.0,
+             "reward/max": 0.0, "invalid_rate": 0.0, "turns/mean": 2.0, "groups/zero_variance/a": 1.0,
+             "groups/zero_variance/b": 1.0, "loss/a": 0.0, "loss/b": 0.0} for s in range(1, 6)]
+    found = panels(rows)
+    assert [p.title.split(" (")[0] for p in found] == ["shared reward"]
+    assert found[0].series[0].raw == [0.0] * 5
+    assert flat_notes(rows) == ["share of groups with equal returns (no gradient) per agent: a 1, b 1",
+                                "loss per agent: a 0, b 0", "invalid_rate: 0", "turns/mean: 2"]
+    several = flat_notes({"one": rows, "two": rows})
+    assert several[0] == "share of groups with equal returns (no gradient) per agent: one: a 1, one: b 1, two: a 1, two: b 1"
+    fig = figure(found, 2, flat_notes(rows))
+    try:
+        said = "\n".join(t.get_text() for t in fig.texts)
+        assert "Constant over the run (no panel):" in said and "invalid_rate: 0" in said
+    finally:
+        plt.close(fig)
 
 
 def test_the_reward_is_smoothed_over_the_raw_one_and_its_band_stays_within_the_steps_rewards():

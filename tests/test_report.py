@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.envs import HERE, config
+from tests.errors_doc import assert_documented
 from tests.runs import marsi, write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +119,59 @@ def test_the_episode_filter_finds_the_first_episode_in_which_both_agents_were_ri
     out = chromium("--dump-dom", (run / "report.html").as_uri() + "#kind=eval&step_min=3&role=r1&agent=b")
     assert console(out) == [] and len(re.findall(r'data-kind="eval" data-step="3"', out.stdout)) == 4
     assert 'data-step="0"' not in out.stdout
+
+
+@needs_chromium
+def test_a_malformed_record_is_skipped_and_counted_and_a_malformed_fragment_ignored(run, tmp_path):
+    """A record whose first turn's actions are null, one whose reward is text, and a line that is not JSON: each is
+    skipped and counted on the page, and the browser lists the others. An address whose fragment holds a malformed
+    escape (`%E0%A4%A`) opens the page as if it had none. (Both stopped the whole episode browser.)"""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    first = json.loads((copy / "transcripts.jsonl").read_text().splitlines()[0])
+    broken = json.loads(json.dumps(first))
+    broken["turns"][0]["actions"] = None
+    with open(copy / "transcripts.jsonl", "a") as f:
+        f.write(json.dumps({**broken, "step": 98}) + "\n" + json.dumps({**first, "step": 99, "reward": "x"}) + "\n"
+                + "{not json\n" + json.dumps({**first, "step": 100}) + "\n")
+    assert marsi("report", copy).returncode == 0
+    page = (copy / "report.html").read_text()
+    assert {e["step"] for e in payload(page)} >= {100} and not {98, 99} & {e["step"] for e in payload(page)}
+    assert f"3 malformed transcript record(s) skipped ({copy}/transcripts.jsonl:25, " in page
+    for fragment in ("#kind=train&step_min=100", "#text=%E0%A4%A&kind=train&step_min=100", "#%&=&step_min=100"):
+        out = chromium("--dump-dom", (copy / "report.html").as_uri() + fragment)
+        assert out.returncode == 0 and console(out) == [], (fragment, console(out))
+        assert 'data-ready="1"' in out.stdout, fragment
+        assert len(re.findall(r'<details class="episode" data-run="run" data-kind="train" data-step="100"',
+                              out.stdout)) == 1, fragment
+
+
+def test_the_report_inlines_episodes_up_to_its_bound_the_most_recent_and_a_spread(tmp_path):
+    """3 MB of transcripts over 100 steps, a report bounded to 1 MB: it holds at most that much of them, the newest
+    steps whole and a spread of the older ones, and says how many of how many."""
+    from orchestrator.report import report
+
+    rows = [{"step": s, "reward/mean": 0.0, "trained": []} for s in range(1, 101)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    action = {"role": "r0", "agent": "a", "prompt": "p" * 700, "completion": "c" * 700, "advantage": 0.0,
+              "policy_version": 0, "finish_reason": "stop"}
+    record = lambda step, i: {"step": step, "episode": 20 * step + i, "sample": i, "reward": 1.0, "info": {},  # noqa: E731
+                              "terminated": True, "turns": [{"reward": 1.0, "infos": {}, "actions": [action]}]}
+    lines = [json.dumps(record(step, i)) + "\n" for step in range(1, 101) for i in range(20)]
+    (tmp_path / "transcripts.jsonl").write_text("".join(lines))
+    assert sum(map(len, lines)) > 2.9e6
+    page = report(tmp_path, tmp_path / "report.html", max_mb=1.0).read_text()
+    kept = payload(page)
+    assert sum(len(json.dumps(e)) for e in kept) <= 1.05e6 and 500 < len(kept) < 2000 // 2
+    steps = {e["step"] for e in kept}
+    assert {97, 98, 99, 100} <= steps and 1 in steps and len(steps & set(range(1, 60))) > 20  # recent, and spread
+    assert f"This page holds {len(kept)} of the runs' 2000 saved episodes" in page
+    out = marsi("report", tmp_path, "--out", tmp_path / "all.html", "--max-mb", "10")
+    assert out.returncode == 0, out.stderr
+    assert len(payload((tmp_path / "all.html").read_text())) == 2000 and "This page holds" not in \
+        (tmp_path / "all.html").read_text()
+    out = marsi("report", tmp_path, "--max-mb", "0")
+    assert_documented("report_max_mb_not_positive", out.stderr, exit=out.returncode)
 
 
 @needs_chromium

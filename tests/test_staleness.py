@@ -3,6 +3,8 @@ the policy versions actions carry, K = 0 as the synchronous loop, and exact resu
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from orchestrator import pipeline
@@ -14,15 +16,17 @@ from orchestrator.staleness import rollout_lag, timing_metrics, usable_actions, 
 from protocols.config import ConfigError, ScheduleConfig, validate_config
 from protocols.messages import Completion
 from tests.envs import HERE, config
-from tests.runs import killed_and_resumed, rows, run_killing, uninterrupted_rows, without_times, write
+from tests.errors_doc import assert_quoted
+from tests.runs import MARSI, killed_and_resumed, rows, run_killing, uninterrupted_rows, without_times, write
 
 
 ENVS = HERE / "envs.py"
+ROOT = HERE.parent
 
 
-def lag(kind: str, agents=("a", "b"), k: int = 1, **schedule) -> int:
+def lag(kind: str, agents=("a", "b"), k: int = 1, bounds=None, **schedule) -> int:
     s = Schedule(ScheduleConfig(kind=kind, **schedule), list(agents))
-    return rollout_lag(s.training_agents, s.cycle, k)
+    return rollout_lag(s.training_agents, s.cycle, k, bounds)
 
 
 @pytest.mark.fast
@@ -36,6 +40,18 @@ def test_the_lag_keeps_every_agent_within_k_versions_under_each_schedule():
     assert lag("pattern", k=1, pattern=[["a"], [], ["b"]]) == 3
     assert lag("simultaneous", ("a", "b"), k=2, frozen=["b"]) == 2  # a frozen agent's version never moves
     assert lag("simultaneous", ("a",), k=2, frozen=["a"]) == 2  # nobody trains: K steps, bounded all the same
+
+
+@pytest.mark.fast
+def test_an_agents_tighter_bound_lowers_the_lag_until_it_holds_at_every_update_of_that_agent():
+    # simultaneous: b's partner a trains the step before each of b's updates, so only fresh rollouts keep b's K 0
+    assert lag("simultaneous", k=1, bounds={"b": 0}) == 0 and lag("simultaneous", k=2, bounds={"b": 1}) == 1
+    assert lag("alternate", k=2, bounds={"b": 1}) == 2  # a and b once each in the 2 steps before b trains
+    assert lag("round_robin", ("a", "b", "c"), k=2, bounds={"b": 1}) == 3
+    # a, idle, b: the step before b trains nobody does, so K_b = 0 still lets rollouts run one step ahead
+    assert lag("pattern", k=1, bounds={"b": 0}, pattern=[["a"], [], ["b"]]) == 1
+    assert lag("simultaneous", k=2, bounds={"b": 0}, frozen=["b"]) == 2  # a frozen agent's bound asks nothing
+    assert lag("alternate", k=1, bounds={"a": 1, "b": 1}) == lag("alternate", k=1)  # bounds equal to K: as before
 
 
 @pytest.mark.fast
@@ -124,15 +140,47 @@ def test_actions_are_at_most_k_versions_behind_and_the_planned_version_drew_them
     assert all(r[k] <= 1 for r in history for k in r if k.endswith("/partners_max"))
 
 
-def test_an_agent_with_a_tighter_bound_drops_actions_whose_partner_is_stale():
-    """Alternate with K = 1 plays two steps ahead; b accepts nothing stale: at step 2 its own actions are fresh
-    but a, who trained at step 1, is one version ahead of the episode's a, so b's update drops them all."""
-    raw = config(turns=2, train={"steps": 2, "max_staleness": 1}, schedule={"kind": "alternate"})
+def test_an_agent_with_a_tighter_bound_trains_at_each_of_its_steps_on_fresh_actions(capsys):
+    """a, an idle step, b, with K = 1 and b's K 0: rollouts still run one step ahead (lag 1, not 3), and every
+    update of b finds its own and its partner's actions fresh; nothing is dropped."""
+    raw = config(turns=2, train={"steps": 6, "max_staleness": 1},
+                 schedule={"kind": "pattern", "pattern": [["a"], [], ["b"]]})
     raw["agents"]["b"]["rollout"] = {"max_staleness": 0}
-    history = _run(raw)
-    second = history[1]
-    assert second["staleness/b/max"] == 0 and second["staleness/b/partners_max"] == 1
-    assert second["staleness/b/dropped"] == 1.0 and second["trained"] == []
+    with Coordinator(validate_config(raw)) as coord:
+        assert coord.lag == 1
+        history = coord.run()
+        assert coord.state.versions == {"a": 2, "b": 2}
+    assert [r["trained"] for r in history] == [["a"], [], ["b"], ["a"], [], ["b"]]
+    assert all(r["staleness/b/max"] == 0 and r["staleness/b/partners_max"] == 0 for r in history if r["trained"] == ["b"])
+    assert all(r[k] == 0 for r in history for k in r if k.endswith("/dropped_actions"))
+    assert "keeps rollouts 1 step(s) ahead (train.max_staleness 1 alone plays them 3 step(s) ahead" in capsys.readouterr().err
+
+
+def test_a_bound_that_no_lag_keeps_makes_rollouts_synchronous_and_its_agent_still_learns(capsys):
+    """The demo with simultaneous updates, K = 1 and bob's K 0 (bob trained at step 1 and never again: versions
+    alice 6, bob 1): every lag above 0 leaves alice one version ahead at bob's updates, so rollouts are synchronous,
+    said once at run and by validate, and both agents train at every step."""
+    from protocols.config import load_config
+
+    probe = ["schedule.kind=simultaneous", "train.max_staleness=1", "agents.bob.rollout.max_staleness=0"]
+    demo = ROOT / "examples" / "demo" / "config.yaml"
+    cfg = load_config(demo, [*probe, "train.steps=6", "train.batch_size=2", "train.num_generations=4",
+                             "ray.enabled=false", "train.progress=false", "eval=null"])
+    with Coordinator(cfg) as coord:
+        assert coord.lag == 0
+        history = coord.run()
+        assert coord.state.versions == {"alice": 6, "bob": 6}
+    assert all(r["trained"] == ["alice", "bob"] for r in history)
+    note = ("agents.bob.rollout.max_staleness 0 keeps rollouts synchronous (train.max_staleness 1 alone plays them 1 "
+            "step(s) ahead under schedule simultaneous, where bob's own or its partners' actions would be more than 0 "
+            "version(s) behind at its updates, which would then be skipped); raise agents.bob.rollout.max_staleness to "
+            "1 to play 1 step(s) ahead, or set train.max_staleness: 0 to say so")
+    err = capsys.readouterr().err
+    assert err.count(note) == 1 and "was more than 0 policy versions behind" not in err
+    assert_quoted(f"marsi: {note}")
+    out = subprocess.run([*MARSI, "validate", str(demo), *probe, "--steps", "1"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and f"rollouts: {note}" in out.stdout, out.stderr
 
 
 def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
@@ -152,6 +200,26 @@ def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
         assert t["policy_versions"] == acted == dict.fromkeys(("a", "b"), max(0, t["step"] - 2))
 
     assert killed_and_resumed(write(tmp_path, raw), tmp_path / "run", 4) == uninterrupted
+
+
+@pytest.mark.parametrize("kind", ["simultaneous", "alternate"])
+def test_a_finished_async_run_extended_ends_as_a_longer_uninterrupted_run(tmp_path, kind):
+    """K = 1: a run of 3 steps plays the rollouts of steps 4 (and 5 under alternate, lag 2) with the weights an
+    uninterrupted longer run would, and its last checkpoint keeps them; `marsi resume RUN train.steps=5` then
+    continues into the metrics of a 5-step run (the in-flight rollouts were played again with newer weights)."""
+    raw = config(turns=2, train={"steps": 5, "max_staleness": 1, "checkpoint_every": 1, "keep_checkpoints": 9},
+                 schedule={"kind": kind})
+    uninterrupted = uninterrupted_rows(validate_config(raw), tmp_path / "whole")
+    raw["train"]["steps"] = 3
+    with Coordinator(validate_config(raw), tmp_path / "run") as coord:
+        coord.run()
+        lag = coord.lag
+    state = read_checkpoint_state(RunLog(tmp_path / "run").latest_checkpoint())
+    assert state["step"] == 3 and [r["step"] for r in state["rollouts"]] == list(range(3, 3 + lag))
+    out = subprocess.run([*MARSI, "resume", str(tmp_path / "run"), "train.steps=5"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert without_times(rows(tmp_path / "run")) == uninterrupted
 
 
 def test_an_async_run_whose_trainer_dies_restarts_and_ends_as_if_uninterrupted(ray_cluster, tmp_path):

@@ -39,6 +39,17 @@ def test_training_transcripts_carry_advantages_and_the_policy_version_that_acted
             assert abs(total) < 1e-6
 
 
+def test_a_steps_transcripts_are_spread_over_its_samples(tmp_path):
+    """3 samples x 4 episodes a step, 4 kept: one of each sample's group, then a second of the first sample's (the
+    first 4 played were all of the first sample)."""
+    raw = config(train={"steps": 2, "batch_size": 3, "num_generations": 4, "transcripts_per_step": 4, "progress": False})
+    with Coordinator(validate_config(raw), tmp_path) as coord:
+        coord.run()
+    episodes = lines(tmp_path / "transcripts.jsonl")
+    assert [(e["step"], e["sample"], e["episode"]) for e in episodes] == [
+        (1, 0, 0), (1, 0, 1), (1, 1, 4), (1, 2, 8), (2, 0, 12), (2, 0, 13), (2, 1, 16), (2, 2, 20)]
+
+
 def test_evaluation_transcripts_are_saved_up_to_eval_transcripts(tmp_path):
     raw = config(train={"steps": 2, "progress": False})
     raw["eval"] = {"data": dict(HELD_OUT), "episodes_per_sample": 2, "transcripts": 3}
