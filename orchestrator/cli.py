@@ -105,7 +105,7 @@ def cmd_run(args) -> int:
     from orchestrator.coordinator import Coordinator
     from orchestrator.preflight import storage_place_problem
     from orchestrator.runlog import make_run_dir
-    from protocols.config import ConfigError
+    from protocols.config import ConfigError, joins_cluster
 
     config = load_config(args.config, args.overrides)
     stamp = time.strftime("%Y%m%d-%H%M%S")  # as make_run_dir names it
@@ -113,6 +113,8 @@ def cmd_run(args) -> int:
     problem = storage_place_problem(config.train.storage, planned)
     if problem:
         raise ConfigError(f"{args.config}: {problem}")
+    if not joins_cluster(config.ray):  # a cluster marsi joins is checked once joined
+        _check_cluster(config, args.config)
     with StopOnSignal("nothing was trained and no run directory is left") as stop:
         run_dir = Path(args.run_dir) if args.run_dir else make_run_dir(config.train.run_dir, Path(args.config).stem)
         try:
@@ -219,14 +221,27 @@ def _train(coord, stop: StopOnSignal, new: bool) -> int:
     return 0
 
 
-def _check_cluster(config, address: str) -> None:
-    """Join the Ray cluster at `address` (or use the one this process is connected to) and check that it can place
-    the trainers: CPUs and GPUs in all, custom resources, GPU types, node labels (PlacementError naming the agent)."""
+def _check_cluster(config, source: str) -> None:
+    """Check that the Ray cluster can place the trainers (CPUs and GPUs in all, custom resources, GPU types, node
+    labels): the local cluster a run would start, against this machine's node before it starts (ConfigError
+    naming `source`); a cluster marsi joins (ray.address, RAY_ADDRESS), joined for the check and left again, or
+    the one this process is connected to (PlacementError naming the agent)."""
+    from agent_trainer.group import local_cluster_problem
+    from agent_trainer.handle import PlacementError
+    from protocols.config import ConfigError, joins_cluster
+
+    if not config.ray.enabled:
+        return
+    if not joins_cluster(config.ray) and not _ray_is_up():
+        problem = local_cluster_problem(config)
+        if problem:
+            raise ConfigError(f"{source}: {problem}")
+        return
     import ray
 
     from agent_trainer.actor import cluster_problem, quiet_ray_startup
-    from agent_trainer.handle import PlacementError
 
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
     joined = not ray.is_initialized()
     if joined:
         quiet_ray_startup()
@@ -238,6 +253,11 @@ def _check_cluster(config, address: str) -> None:
             ray.shutdown()
     if problem:
         raise PlacementError(problem)
+
+
+def _ray_is_up() -> bool:
+    """Whether this process is connected to Ray (a test's, a notebook's), without importing Ray when it is not."""
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 def _member_label(config, name: str) -> str:
@@ -253,7 +273,7 @@ def cmd_validate(args) -> int:
     context, resources (against the Ray cluster marsi would join, where there is one: custom resources, GPU types,
     node labels), each agent's dtype as this machine would resolve it; then the schedule and who acts on each
     turn for the first steps."""
-    from agent_trainer.group import local_cluster_problem, local_resources
+    from agent_trainer.group import local_resources
     from agent_trainer.models import context_problem, model_config
     from orchestrator.coordinator import Coordinator
     from orchestrator.preflight import checked_trial, storage_place_problem
@@ -269,13 +289,8 @@ def cmd_validate(args) -> int:
         if problem:
             raise ConfigError(f"{args.config}: agents.{name}: {problem}")
     joins = config.ray.address or os.environ.get("RAY_ADDRESS")
-    if config.ray.enabled and not joins:
-        problem = local_cluster_problem(config)
-        if problem:
-            raise ConfigError(f"{args.config}: {problem}")
-    if config.ray.enabled and joins:
-        _check_cluster(config, joins)
-    planned = Path(config.train.run_dir.format(name=Path(args.config).stem, time="TIME"))
+    _check_cluster(config, args.config)
+    planned = Path(config.train.run_dir.format(name=Path(args.config).stem, time="{time}"))
     problem = storage_place_problem(config.train.storage, planned)
     if problem:
         raise ConfigError(f"{args.config}: {problem}")
@@ -443,7 +458,8 @@ def _checkpoint_path(name: str, log):
     found = log.checkpoints()  # oldest first
     if name == "last":
         if not found:
-            raise ConfigError(f"{log.dir}: no complete checkpoint to evaluate")
+            raise ConfigError(f"{log.dir}: no complete checkpoint to evaluate; evaluate its initial models with "
+                              "--checkpoint initial, or wait for the run's first checkpoint (train.checkpoint_every)")
         return found[-1]
     checkpoint = log.find_checkpoint(name)
     if checkpoint is None:

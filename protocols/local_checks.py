@@ -33,8 +33,8 @@ def hub_model_problem(key: str, value: str, marker: str = "config.json") -> str 
     if isinstance(found, str):
         return None
     return (f"{key}: {value!r} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and {offline} is "
-            f"set; download it where there is a network (hf download {value}) into that cache, give a local "
-            f"directory, or use a built-in ({BUILTIN_NAMES})")
+            f"set; download it where there is a network (hf download {value}) and copy that cache here, give a "
+            f"local directory, or use a built-in ({BUILTIN_NAMES})")
 
 
 def forward_env_problem(names: list[str], environ: Mapping[str, str] | None = None) -> str | None:
