@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_run(args) -> int:
     from orchestrator.coordinator import Coordinator
-    from orchestrator.preflight import storage_place_problem
+    from orchestrator.preflight import check_cluster, storage_place_problem
     from orchestrator.runlog import make_run_dir
     from protocols.config import ConfigError, joins_cluster
 
@@ -114,7 +114,7 @@ def cmd_run(args) -> int:
     if problem:
         raise ConfigError(f"{args.config}: {problem}")
     if not joins_cluster(config.ray):  # a cluster marsi joins is checked once joined
-        _check_cluster(config, args.config)
+        check_cluster(config, args.config)
     with StopOnSignal("nothing was trained and no run directory is left") as stop:
         run_dir = Path(args.run_dir) if args.run_dir else make_run_dir(config.train.run_dir, Path(args.config).stem)
         try:
@@ -221,45 +221,6 @@ def _train(coord, stop: StopOnSignal, new: bool) -> int:
     return 0
 
 
-def _check_cluster(config, source: str) -> None:
-    """Check that the Ray cluster can place the trainers (CPUs and GPUs in all, custom resources, GPU types, node
-    labels): the local cluster a run would start, against this machine's node before it starts (ConfigError
-    naming `source`); a cluster marsi joins (ray.address, RAY_ADDRESS), joined for the check and left again, or
-    the one this process is connected to (PlacementError naming the agent)."""
-    from agent_trainer.group import local_cluster_problem
-    from agent_trainer.handle import PlacementError
-    from protocols.config import ConfigError, joins_cluster
-
-    if not config.ray.enabled:
-        return
-    if not joins_cluster(config.ray) and not _ray_is_up():
-        problem = local_cluster_problem(config)
-        if problem:
-            raise ConfigError(f"{source}: {problem}")
-        return
-    import ray
-
-    from agent_trainer.actor import cluster_problem, quiet_ray_startup
-
-    address = config.ray.address or os.environ.get("RAY_ADDRESS")
-    joined = not ray.is_initialized()
-    if joined:
-        quiet_ray_startup()
-        ray.init(address=address, logging_level="WARNING")
-    try:
-        problem = cluster_problem(config)
-    finally:
-        if joined:
-            ray.shutdown()
-    if problem:
-        raise PlacementError(problem)
-
-
-def _ray_is_up() -> bool:
-    """Whether this process is connected to Ray (a test's, a notebook's), without importing Ray when it is not."""
-    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
-
-
 def _member_label(config, name: str) -> str:
     """How `marsi validate` names an agent or critic in its host's line."""
     if name not in config.agents:
@@ -276,7 +237,7 @@ def cmd_validate(args) -> int:
     from agent_trainer.group import local_resources
     from agent_trainer.models import context_problem, model_config
     from orchestrator.coordinator import Coordinator
-    from orchestrator.preflight import checked_trial, storage_place_problem
+    from orchestrator.preflight import check_cluster, checked_trial, storage_place_problem
     from orchestrator.schedule import RoleAssignment, Schedule
     from protocols.config import ConfigError, host_resources, member_layout
 
@@ -289,7 +250,7 @@ def cmd_validate(args) -> int:
         if problem:
             raise ConfigError(f"{args.config}: agents.{name}: {problem}")
     joins = config.ray.address or os.environ.get("RAY_ADDRESS")
-    _check_cluster(config, args.config)
+    check_cluster(config, args.config)
     planned = Path(config.train.run_dir.format(name=Path(args.config).stem, time="{time}"))
     problem = storage_place_problem(config.train.storage, planned)
     if problem:

@@ -1,12 +1,14 @@
 """Bad input that marsi finds before it starts anything (Ray, trainers, a run directory): the environment's
 constructor against `environment.kwargs`, seats the environment cannot fill, a trial episode played by a run's
-own loop and `check_env`, a run directory for `marsi eval`, `train.storage` against the run directory.
+own loop and `check_env`, a run directory for `marsi eval`, `train.storage` against the run directory, and
+whether the Ray cluster can place the trainers (the local one against this machine's node, before it starts).
 
 Each check raises (or returns) one line naming the key, file or episode and the fix, as every user error does."""
 
 from __future__ import annotations
 
 import inspect
+import os
 import random
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any, Callable
 
 from orchestrator import rollout
 from orchestrator.runlog import STORE_RECORD
-from protocols.config import ConfigError, RunConfig
+from protocols.config import ConfigError, RunConfig, joins_cluster
 from protocols.env import Environment
 from protocols.env_checker import EnvCheckError, check_env
 from protocols.imports import import_object
@@ -35,7 +37,9 @@ def check_environment(config: RunConfig) -> None:
         problem = kwargs_problem(env_cls, given)
         if problem:
             raise ConfigError(f"{key}: {problem}")
-    if getattr(env_cls, "scripted_action", None) is not Environment.scripted_action:
+    scripts = not isinstance(env_cls, type) or getattr(env_cls, "scripted_action", None) not in (
+        None, Environment.scripted_action)  # a factory function's class is known only once it is called
+    if scripts:
         return
     for label, held in (config.eval.partners if config.eval else {}).items():
         for agent, weights in held.items():
@@ -138,3 +142,42 @@ def storage_place_problem(storage: str | None, run_dir: Path) -> str | None:
             return (f"train.storage {storage}: the run's place in it, {place}, would lie in {parent}, the directory "
                     "of another run, and write into it; give a place outside every run directory")
     return None
+
+
+# ------------------------------------------------------------------------------------- the Ray cluster
+def check_cluster(config: RunConfig, source: str | Path) -> None:
+    """Check that the Ray cluster can place the trainers (CPUs and GPUs in all, custom resources, GPU types, node
+    labels): the local cluster a run would start, against this machine's node before it starts (ConfigError
+    naming `source`); a cluster marsi joins (ray.address, RAY_ADDRESS), joined for the check and left again, or
+    the one this process is connected to (PlacementError naming the agent)."""
+    from agent_trainer.group import local_cluster_problem
+    from agent_trainer.handle import PlacementError
+
+    if not config.ray.enabled:
+        return
+    if not joins_cluster(config.ray) and not ray_is_up():
+        problem = local_cluster_problem(config)
+        if problem:
+            raise ConfigError(f"{source}: {problem}")
+        return
+    import ray
+
+    from agent_trainer.actor import cluster_problem, quiet_ray_startup
+
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    joined = not ray.is_initialized()
+    if joined:
+        quiet_ray_startup()
+        ray.init(address=address, logging_level="WARNING")
+    try:
+        problem = cluster_problem(config)
+    finally:
+        if joined:
+            ray.shutdown()
+    if problem:
+        raise PlacementError(problem)
+
+
+def ray_is_up() -> bool:
+    """Whether this process is connected to Ray (a test's, a notebook's), without importing Ray when it is not."""
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from protocols.errors import UserError
 from protocols.imports import ImportPathError, absolute_spec, import_object
-from protocols.local_checks import forward_env_name_problem, forward_env_problem, hub_model_problem
+from protocols.local_checks import forward_env_name_problem, forward_env_problem, model_source
 
 
 class ConfigError(UserError, ValueError):
@@ -1049,33 +1049,6 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
-def _local_path(value: str, base: Path) -> Path | None:
-    """The absolute path `value` names if it is a local path (relative to `base`), or None (a hub id, a built-in).
-    `./x`, `../x`, `~/x` and `/x` are paths; `org/name` is a path only if it exists under `base`."""
-    if value.startswith("builtin:"):
-        return None
-    path = Path(value).expanduser()
-    if value.startswith(("./", "../", "~", "/")) or (base / path).exists():
-        return (base / path).resolve()
-    return None
-
-
-def _model_source(key: str, value: str, base: Path, source: str | Path, *, check: bool) -> str:
-    """A model (or tokenizer) setting made absolute when it is a local path; with `check`, one that cannot load
-    here is a ConfigError: a path that does not exist, a hub id not in the local cache while offline."""
-    local = _local_path(value, base)
-    if local is None:
-        problem = hub_model_problem(key, value, "tokenizer_config.json" if key.endswith("tokenizer") else "config.json") \
-            if check and not value.startswith("builtin:") else None
-        if problem:
-            raise ConfigError(f"{source}: {problem}")
-        return value
-    if check and not local.exists():
-        raise ConfigError(f"{source}: {key}: {str(local)!r} not found; give an existing directory (relative to the "
-                          "config file), a hub id, or a built-in")
-    return str(local)
-
-
 _MAX_VALUES = 100_000  # a config this large after alias expansion is an attack (a "billion laughs"), not a run
 
 
@@ -1139,6 +1112,13 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_i
     return validate_config(raw, source=path, check_imports=check_imports)
 
 
+def _model_source(key: str, value: str, base: Path, source: str | Path, check: bool) -> str:
+    resolved, problem = model_source(key, value, base, check=check)
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
+    return resolved
+
+
 def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", check_imports: bool = True) -> RunConfig:
     """Validate a config mapping; `source` names it in errors and anchors relative paths."""
     try:
@@ -1183,7 +1163,7 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
         for key in ("model", "tokenizer"):
             value = getattr(agent, key)
             if value is not None:
-                setattr(agent, key, _model_source(f"agents.{name}.{key}", value, base, source, check=check_models))
+                setattr(agent, key, _model_source(f"agents.{name}.{key}", value, base, source, check_models))
         adapter = agent.adapter
         if adapter is not None and adapter.path is not None:
             local = (base / Path(adapter.path).expanduser()).resolve()
@@ -1197,7 +1177,7 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
                                   f"{config.algorithm.beta:g} would pull it back to the base; set algorithm.beta: 0, or "
                                   "freeze it (schedule.frozen), or start from a fresh adapter")
     if config.critic is not None and config.critic.model != "agent":
-        config.critic.model = _model_source("critic.model", config.critic.model, base, source, check=check_models)
+        config.critic.model = _model_source("critic.model", config.critic.model, base, source, check_models)
     if check_imports:
         try:
             import_object(config.environment.name)

@@ -1,11 +1,12 @@
 """Checks of a run config against this machine, made where it is loaded for a run (`validate_config` with
-`check_imports`), so that they fail before anything starts: a hub model that cannot load here offline, and
-`ray.forward_env` names that this shell does not set."""
+`check_imports`), so that they fail before anything starts: a model path that does not exist, a hub model that
+cannot load here offline, `ray.forward_env` names that this shell does not set."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 BUILTIN_NAMES = "builtin:tiny, builtin:smollm2-135m-instruct"
 _TRUE = ("1", "ON", "YES", "TRUE")  # huggingface_hub's reading of a boolean variable
@@ -15,6 +16,30 @@ def offline_variable(environ: Mapping[str, str] | None = None) -> str | None:
     """The variable that keeps the Hugging Face hub offline here (HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE), or None."""
     environ = os.environ if environ is None else environ
     return next((v for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE") if environ.get(v, "").upper() in _TRUE), None)
+
+
+def local_path(value: str, base: Path) -> Path | None:
+    """The absolute path `value` names if it is a local path (relative to `base`), or None (a hub id, a built-in).
+    `./x`, `../x`, `~/x` and `/x` are paths; `org/name` is a path only if it exists under `base`."""
+    if value.startswith("builtin:"):
+        return None
+    path = Path(value).expanduser()
+    if value.startswith(("./", "../", "~", "/")) or (base / path).exists():
+        return (base / path).resolve()
+    return None
+
+
+def model_source(key: str, value: str, base: Path, *, check: bool) -> tuple[str, str | None]:
+    """A model (or tokenizer) setting at `key`, made absolute when it is a local path, and with `check` why it
+    cannot load here (a path that does not exist; a hub id not in the local cache while offline), or None."""
+    local = local_path(value, base)
+    if local is not None:
+        missing = check and not local.exists()
+        return str(local), (f"{key}: {str(local)!r} not found; give an existing directory (relative to the config "
+                            "file), a hub id, or a built-in") if missing else None
+    hub_id = not value.startswith("builtin:") and not Path(value).expanduser().exists()  # not a path from here either
+    marker = "tokenizer_config.json" if key.endswith("tokenizer") else "config.json"
+    return value, hub_model_problem(key, value, marker) if check and hub_id else None
 
 
 def hub_model_problem(key: str, value: str, marker: str = "config.json") -> str | None:
