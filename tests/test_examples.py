@@ -14,6 +14,7 @@ from protocols.env import Environment, StepResult
 from protocols.imports import import_object
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.mark.parametrize("config_path", sorted(EXAMPLES.glob("*/config.yaml")), ids=lambda p: p.parent.name)
@@ -85,36 +86,15 @@ def test_check_env_catches_broken_environments(env, message):
         check_env(env, [{}])
 
 
-class _ParsesLater(Environment):
-    """A proposer states a number (other text ends the episode, reported invalid); the solver's turn parses its
-    answer with int(), which raises on model text that is not a number."""
-
-    possible_agents, max_turns = ["proposer", "solver"], 2
-
-    def reset(self, sample, seed=None):
-        return {"proposer": "Give a number"}
-
-    def step(self, actions):
-        if "proposer" in actions:
-            if not actions["proposer"].strip().isdigit():
-                return StepResult(prompts={}, reward=0.0, terminated=True,
-                                  infos={"proposer": {"invalid": True, "reason": "not a number"}})
-            self.n = int(actions["proposer"])
-            return StepResult(prompts={"solver": f"Double {self.n}"}, reward=0.0)
-        return StepResult(prompts={}, reward=float(int(actions["solver"]) == 2 * self.n), terminated=True)
-
-
 def test_check_env_plays_junk_at_each_turn_after_well_formed_turns():
     """Junk on every turn ends this episode at once (the proposer's junk is refused), so only junk at turn 2,
     after a well-formed proposal, reaches the solver's int()."""
-    def well_formed(role, prompt, rng):
-        return "3" if role == "proposer" else "6"
-
-    check_env(_ParsesLater(), [{}])  # without well-formed actions there is no way to turn 2
+    relay = import_object(f"{FIXTURES / 'number_relay.py'}:NumberRelay")
+    check_env(relay(), [{}])  # without well-formed actions there is no way to turn 2
     with pytest.raises(EnvCheckError, match=r"empty actions at turn 2 after given ones, episode 1 turn 2: step raised "
                                             r"ValueError: invalid literal for int\(\) with base 10: '' at "
-                                            r"tests/test_examples.py:\d+ on actions \{'solver': ''\}"):
-        check_env(_ParsesLater(), [{}], action_fn=well_formed)
+                                            r"tests/fixtures/number_relay.py:\d+ on actions \{'solver': ''\}"):
+        check_env(relay(), [{}], action_fn=import_object(f"{FIXTURES / 'number_relay.py'}:sample_action"))
 
 
 def test_custom_coordinator_script_runs_and_resumes_exactly(ray_cluster, tmp_path):

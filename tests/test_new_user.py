@@ -71,50 +71,11 @@ def test_validate_names_frozen_agents_and_their_unused_optimizer_settings(tmp_pa
     assert "never updated" not in out.stdout
 
 
-PROPOSER_SOLVER = """
-import math
-
-from protocols.env import Environment, StepResult
-
-
-class NumberRelay(Environment):
-    \"\"\"A proposer states a number (other text ends the episode, invalid); the solver doubles it, parsed with int().\"\"\"
-
-    possible_agents, max_turns = ["proposer", "solver"], 2
-
-    def __init__(self, fault=""):
-        self.fault = fault
-
-    def reset(self, sample, seed=None):
-        return {"proposer": "Give a number"}
-
-    def step(self, actions):
-        if "proposer" in actions:
-            if not actions["proposer"].strip().isdigit():
-                return StepResult(prompts={}, reward=0.0, terminated=True,
-                                  infos={"proposer": {"invalid": True, "reason": "not a number"}})
-            self.n = int(actions["proposer"])
-            return StepResult(prompts={"solver": f"Double {self.n}"}, reward=0.0)
-        if self.fault == "raise":
-            raise RuntimeError("no solver yet")
-        right = int(actions["solver"]) == 2 * self.n
-        return StepResult(prompts={}, reward=math.nan if self.fault == "nan" else float(right), terminated=True)
-
-
-def sample_action(role, prompt, rng):
-    return "3" if role == "proposer" else "6"
-
-
-def make_dataset():
-    return [{"id": i} for i in range(4)]
-"""
-
-
 def _proposer_solver(tmp_path, fault):
-    (tmp_path / "env.py").write_text(PROPOSER_SOLVER)
+    """A config of tests/fixtures/number_relay.py, whose solver's turn parses model text with int()."""
     raw = config(("p", "s"), roles={"proposer": "p", "solver": "s"})
-    raw["environment"] = {"name": "env.py:NumberRelay", "kwargs": {"fault": fault}}
-    raw["data"] = {"factory": "env.py:make_dataset"}
+    raw["environment"] = {"name": f"{HERE / 'fixtures' / 'number_relay.py'}:NumberRelay", "kwargs": {"fault": fault}}
+    raw["data"] = {"factory": f"{HERE / 'fixtures' / 'number_relay.py'}:make_dataset"}
     return write(tmp_path, raw)
 
 
