@@ -25,7 +25,8 @@ from agent_trainer import reaper
 from agent_trainer.agent import Agent
 from agent_trainer.dispatch import WorkersDisagree, dispatch_of
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool, TrainerStartError
-from protocols.config import RayConfig, RunConfig, critic_members, host_layout, host_resources, label_matches, member_layout
+from agent_trainer.group import bundle_of, fit_problem, local_cluster_problem
+from protocols.config import RayConfig, RunConfig, critic_members, host_resources, joins_cluster, member_layout
 from protocols.errors import describe, one_line
 
 
@@ -88,13 +89,31 @@ def init_ray(config: RayConfig) -> bool:
     with _own_signal_handling():
         if address:
             ray.init(address=address, logging_level="WARNING")
-            print(f"marsi: joined the Ray cluster at {address}", file=sys.stderr)
         else:
             context = ray.init(num_cpus=config.num_cpus, num_gpus=config.num_gpus, include_dashboard=False,
                                logging_level="WARNING")
             reaper.watch(context.address_info["session_dir"])  # ends the cluster if this process is killed
     drop_blank_worker_lines()
     return True
+
+
+def start_ray(config: RunConfig) -> bool:
+    """`init_ray`, having checked first that the cluster can place the trainers (`fit_problem`): a local cluster
+    against this machine's node before it starts, a cluster marsi joins once joined (and then left again). A
+    problem is one PlacementError, with nothing said before it; False if Ray was already up."""
+    if not ray.is_initialized() and not joins_cluster(config.ray):
+        problem = local_cluster_problem(config)
+        if problem:
+            raise PlacementError(problem)
+    owns = init_ray(config.ray)
+    problem = cluster_problem(config)
+    if problem:
+        if owns:
+            ray.shutdown()
+        raise PlacementError(problem)
+    if owns and joins_cluster(config.ray):
+        print(f"marsi: joined the Ray cluster at {config.ray.address or os.environ['RAY_ADDRESS']}", file=sys.stderr)
+    return owns
 
 
 @contextlib.contextmanager
@@ -173,14 +192,6 @@ class _TrainerActor:
                 for name, t in self.host.trainers.items()}
 
 
-def bundle_of(r) -> dict[str, float]:
-    """The placement bundle of one worker with resources `r` (a `ResourcesConfig`)."""
-    bundle = {"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {}), **r.custom}
-    if r.accelerator_type:
-        bundle[f"accelerator_type:{r.accelerator_type}"] = 0.001  # Ray's marker resource of a node's GPU type
-    return bundle
-
-
 def actor_extras(r, runtime_env: dict[str, Any] | None) -> dict[str, Any]:
     """Ray actor options of one worker besides CPUs, GPUs and its bundle: custom resources, GPU type, environment."""
     extras: dict[str, Any] = {}
@@ -222,50 +233,10 @@ def group_request(resources: dict[str, Any], hosts: list[str]) -> dict[str, Any]
     return {"bundles": bundles, **({"bundle_label_selector": selectors} if any(selectors) else {})}
 
 
-def setting(host: str, layout: dict[str, list[str]]) -> str:
-    """Where a host's resources are set: `agents.NAME.resources` (an agent's own host) or `hosts.NAME.resources`."""
-    return f"agents.{host}.resources" if layout[host] == [host] else f"hosts.{host}.resources"
-
-
-def unmatched_labels(resources: dict[str, Any], layout: dict[str, list[str]], nodes: list[dict[str, Any]]) -> str | None:
-    """Why no live node of the cluster (`nodes`: ray.nodes()) matches a host's label selector, or None."""
-    alive = [n for n in nodes if n.get("Alive")]
-    for host, r in resources.items():
-        if r.label_selector and not any(label_matches(n.get("Labels") or {}, r.label_selector) for n in alive):
-            labels = sorted({f"{k}={v}" for n in alive for k, v in (n.get("Labels") or {}).items() if k != "ray.io/node-id"})
-            agents = ("agent " if len(layout[host]) == 1 else "agents ") + ", ".join(repr(a) for a in layout[host])
-            return (f"{setting(host, layout)}.label_selector {r.label_selector}: no live node of the Ray cluster has "
-                    f"these labels, so {agents} cannot be placed (node labels here: {', '.join(labels) or 'none'}); "
-                    "start a node with them (ray start --labels=KEY=VALUE) or change the selector")
-    return None
-
-
-def missing_resources(resources: dict[str, Any], layout: dict[str, list[str]], total: dict[str, float]) -> str | None:
-    """Why no node of the cluster (`total`: its resources) can ever hold a host's custom resource or GPU type, or None."""
-    for host, r in resources.items():
-        for key in bundle_of(r):
-            if key not in ("CPU", "GPU") and key not in total:
-                what = (f"{setting(host, layout)}.accelerator_type {key.split(':', 1)[1]!r}"
-                        if key.startswith("accelerator_type:") else f"{setting(host, layout)}.custom {key!r}")
-                have = sorted(k for k in total if k not in ("CPU", "GPU", "memory", "object_store_memory")
-                              and not k.startswith("node:"))
-                return (f"{what}: no node of the Ray cluster has it (custom resources and GPU types here: "
-                        f"{', '.join(have) or 'none'}); start a node with it (ray start --resources=...) or change the setting")
-    return None
-
-
 def cluster_problem(config: RunConfig) -> str | None:
     """Why the Ray cluster this process is connected to can never place the trainers (too few CPUs or GPUs in
     all, a custom resource or GPU type no node has, a label selector no live node matches), or None."""
-    from agent_trainer.group import placement_problem
-
-    total = ray.cluster_resources()
-    problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), "the Ray cluster")
-    if problem:
-        return problem
-    layout = host_layout(config)
-    resources = {host: config.agents[agents[0]].resources for host, agents in layout.items()}
-    return missing_resources(resources, layout, total) or unmatched_labels(resources, layout, ray.nodes())
+    return fit_problem(config, ray.cluster_resources(), ray.nodes(), "the Ray cluster")
 
 
 def nodes_note(spread: int | None) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from agent_trainer.dispatch import dispatch_of
 from agent_trainer.handle import TrainerFailure, TrainerPool
-from protocols.config import RunConfig, critic_members, host_resources, member_layout
+from protocols.config import RunConfig, critic_members, host_layout, host_resources, label_matches, member_layout
 from protocols.errors import describe
 
 
@@ -34,6 +34,84 @@ def placement_problem(config: RunConfig, cpus: float, gpus: float, where: str) -
                     f"agents.NAME.resources.{key}{shared} (fractions such as 0.5 share a core) or num_workers, or "
                     "give the cluster more")
     return None
+
+
+def bundle_of(r) -> dict[str, float]:
+    """The placement bundle of one worker with resources `r` (a `ResourcesConfig`)."""
+    bundle = {"CPU": r.num_cpus, **({"GPU": r.num_gpus} if r.num_gpus else {}), **r.custom}
+    if r.accelerator_type:
+        bundle[f"accelerator_type:{r.accelerator_type}"] = 0.001  # Ray's marker resource of a node's GPU type
+    return bundle
+
+
+def setting(host: str, layout: dict[str, list[str]]) -> str:
+    """Where a host's resources are set: `agents.NAME.resources` (an agent's own host) or `hosts.NAME.resources`."""
+    return f"agents.{host}.resources" if layout[host] == [host] else f"hosts.{host}.resources"
+
+
+def unmatched_labels(resources: dict[str, Any], layout: dict[str, list[str]], nodes: list[dict[str, Any]],
+                     where: str = "the Ray cluster") -> str | None:
+    """Why no live node of the cluster (`nodes`: ray.nodes()) matches a host's label selector, or None."""
+    alive = [n for n in nodes if n.get("Alive")]
+    for host, r in resources.items():
+        if r.label_selector and not any(label_matches(n.get("Labels") or {}, r.label_selector) for n in alive):
+            labels = sorted({f"{k}={v}" for n in alive for k, v in (n.get("Labels") or {}).items() if k != NODE_ID_LABEL})
+            agents = ("agent " if len(layout[host]) == 1 else "agents ") + ", ".join(repr(a) for a in layout[host])
+            return (f"{setting(host, layout)}.label_selector {r.label_selector}: no live node of {where} has "
+                    f"these labels, so {agents} cannot be placed (node labels here: {', '.join(labels) or 'none'}); "
+                    "start a node with them (ray start --labels=KEY=VALUE) or change the selector")
+    return None
+
+
+def missing_resources(resources: dict[str, Any], layout: dict[str, list[str]], total: dict[str, float],
+                      where: str = "the Ray cluster") -> str | None:
+    """Why no node of the cluster (`total`: its resources) can ever hold a host's custom resource or GPU type, or None."""
+    for host, r in resources.items():
+        for key in bundle_of(r):
+            if key not in ("CPU", "GPU") and key not in total:
+                what = (f"{setting(host, layout)}.accelerator_type {key.split(':', 1)[1]!r}"
+                        if key.startswith("accelerator_type:") else f"{setting(host, layout)}.custom {key!r}")
+                have = sorted(k for k in total if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                              and not k.startswith("node:"))
+                return (f"{what}: no node of {where} has it (custom resources and GPU types here: "
+                        f"{', '.join(have) or 'none'}); start a node with it (ray start --resources=...) or change the setting")
+    return None
+
+
+def fit_problem(config: RunConfig, total: dict[str, float], nodes: list[dict[str, Any]], where: str) -> str | None:
+    """Why a cluster (`total`: its resources in all; `nodes`: as ray.nodes() lists them) can never place the
+    trainers: too few CPUs or GPUs in all, a custom resource or GPU type no node has, a label selector no live
+    node matches; or None."""
+    problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), where)
+    if problem:
+        return problem
+    layout = host_layout(config)
+    resources = {host: config.agents[agents[0]].resources for host, agents in layout.items()}
+    return missing_resources(resources, layout, total, where) or unmatched_labels(resources, layout, nodes, where)
+
+
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label Ray gives each node, its id: known only once the node runs."""
+
+
+def local_cluster_problem(config: RunConfig) -> str | None:
+    """`fit_problem` for the local Ray cluster `marsi run` would start (ray.enabled, no ray.address), before it
+    starts: this machine's node as Ray would make it (its CPUs and GPUs, or ray.num_cpus and ray.num_gpus; its
+    GPU type; the labels Ray gives it; no custom resources). A selector on the node's id is left to the running
+    cluster, and so is everything where this Ray cannot tell its node beforehand."""
+    try:
+        from ray._private.resource_and_label_spec import ResourceAndLabelSpec
+
+        node = ResourceAndLabelSpec(num_cpus=config.ray.num_cpus, num_gpus=config.ray.num_gpus).resolve(
+            is_head=True, node_ip_address="127.0.0.1")  # as ray.init(num_cpus=..., num_gpus=...) makes it
+        total, labels = node.to_resource_dict(), dict(node.labels)
+    except Exception:  # another Ray's internals: the running cluster is checked once it is up
+        return placement_problem(config, *local_resources(config), "the local cluster")
+    known = config.model_copy(update={"agents": {
+        name: agent.model_copy(update={"resources": agent.resources.model_copy(update={"label_selector": {
+            k: v for k, v in agent.resources.label_selector.items() if k != NODE_ID_LABEL}})})
+        for name, agent in config.agents.items()}})
+    return fit_problem(known, total, [{"Alive": True, "Labels": labels}], "the local cluster")
 
 
 def local_resources(config: RunConfig) -> tuple[float, float]:

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 from protocols.config import RunConfig, load_config
-from protocols.env import answers
 from protocols.errors import UserError, describe, one_line
 
 
@@ -109,9 +108,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_run(args) -> int:
     from orchestrator.coordinator import Coordinator
+    from orchestrator.preflight import check_cluster, storage_place_problem
     from orchestrator.runlog import make_run_dir
+    from protocols.config import ConfigError, joins_cluster
 
     config = load_config(args.config, args.overrides)
+    stamp = time.strftime("%Y%m%d-%H%M%S")  # as make_run_dir names it
+    planned = Path(args.run_dir or config.train.run_dir.format(name=Path(args.config).stem, time=stamp))
+    problem = storage_place_problem(config.train.storage, planned)
+    if problem:
+        raise ConfigError(f"{args.config}: {problem}")
+    if not joins_cluster(config.ray):  # a cluster marsi joins is checked once joined
+        check_cluster(config, args.config)
     with StopOnSignal("nothing was trained and no run directory is left") as stop:
         run_dir = Path(args.run_dir) if args.run_dir else make_run_dir(config.train.run_dir, Path(args.config).stem)
         try:
@@ -218,27 +226,6 @@ def _train(coord, stop: StopOnSignal, new: bool) -> int:
     return 0
 
 
-def _check_cluster(config, address: str) -> None:
-    """Join the Ray cluster at `address` (or use the one this process is connected to) and check that it can place
-    the trainers: CPUs and GPUs in all, custom resources, GPU types, node labels (PlacementError naming the agent)."""
-    import ray
-
-    from agent_trainer.actor import cluster_problem, quiet_ray_startup
-    from agent_trainer.handle import PlacementError
-
-    joined = not ray.is_initialized()
-    if joined:
-        quiet_ray_startup()
-        ray.init(address=address, logging_level="WARNING")
-    try:
-        problem = cluster_problem(config)
-    finally:
-        if joined:
-            ray.shutdown()
-    if problem:
-        raise PlacementError(problem)
-
-
 def _member_label(config, name: str) -> str:
     """How `marsi validate` names an agent or critic in its host's line."""
     if name not in config.agents:
@@ -252,9 +239,10 @@ def cmd_validate(args) -> int:
     context, resources (against the Ray cluster marsi would join, where there is one: custom resources, GPU types,
     node labels), each agent's dtype as this machine would resolve it; then the schedule and who acts on each
     turn for the first steps."""
-    from agent_trainer.group import local_resources, placement_problem
+    from agent_trainer.group import local_resources
     from agent_trainer.models import context_problem, model_config
     from orchestrator.coordinator import Coordinator
+    from orchestrator.preflight import check_cluster, checked_trial, storage_place_problem
     from orchestrator.schedule import RoleAssignment, Schedule
     from protocols.config import ConfigError, host_resources, member_layout
 
@@ -267,16 +255,15 @@ def cmd_validate(args) -> int:
         if problem:
             raise ConfigError(f"{args.config}: agents.{name}: {problem}")
     joins = config.ray.address or os.environ.get("RAY_ADDRESS")
-    if config.ray.enabled and not joins:
-        cpus, gpus = local_resources(config)
-        problem = placement_problem(config, cpus, gpus, "the local cluster")
-        if problem:
-            raise ConfigError(f"{args.config}: {problem}")
-    if config.ray.enabled and joins:
-        _check_cluster(config, joins)
+    check_cluster(config, args.config)
+    planned = Path(config.train.run_dir.format(name=Path(args.config).stem, time="{time}"))
+    problem = storage_place_problem(config.train.storage, planned)
+    if problem:
+        raise ConfigError(f"{args.config}: {problem}")
     schedule, assignment = Schedule(config.schedule, list(config.agents)), RoleAssignment(config.roles)
     per_step = config.train.batch_size * config.train.num_generations
-    acting = _acting_roles(coordinator, env)
+    trial = checked_trial(coordinator.make_env, coordinator.samples[0], config.train.seed, config.roles.attempts)
+    acting = {t: {a.role for a in turn.actions} for t, turn in enumerate(trial.turns)}
     print(f"{args.config}: valid. agents: {', '.join(config.agents)}; roles: {', '.join(env.possible_agents)}; "
           f"{per_step} episodes per step, at most {env.max_turns} turns each")
     layout = member_layout(config)  # the agents' hosts and the critics'
@@ -347,36 +334,6 @@ def _print_precision(config, joins: str | None) -> None:
           + "; ".join(cells))
 
 
-def _acting_roles(coordinator, env) -> dict[int, set[str]]:
-    """Roles that act on each turn of a trial episode on the first sample (`_trial_episode`)."""
-    from orchestrator.rollout import derive_seed
-
-    acting, _ = _trial_episode(env, coordinator.samples[0], derive_seed(coordinator.config.train.seed, 0),
-                               coordinator.attempts)
-    return acting
-
-
-def _trial_episode(env, sample, seed: int, attempts: dict[str, int]) -> tuple[dict[int, set[str]], dict]:
-    """One episode of `env` on `sample`, played with the environment module's `sample_action(role, prompt, rng)`
-    when it has one, else empty answers (k of them for a role in `attempts`): the roles that act on each turn, and
-    its episode_info."""
-    import random
-
-    module = sys.modules.get(type(env).__module__)
-    act = getattr(module, "sample_action", None) or (lambda role, prompt, rng: "")
-    rng, acting = random.Random(0), {}
-    prompts = env.reset(dict(sample), seed=seed)
-    for turn in range(env.max_turns):
-        if not prompts:
-            break
-        acting[turn] = set(prompts)
-        result = env.step(answers(prompts, attempts, lambda role, prompt: act(role, prompt, rng)))
-        if result.terminated or result.truncated:
-            break
-        prompts = result.prompts
-    return acting, env.episode_info()
-
-
 def cmd_eval(args) -> int:
     """Evaluate checkpoints of a run (or a config's initial models); a run directory gets eval.jsonl rows (a run
     with train.storage: STORAGE/RUN_NAME/eval.jsonl too)."""
@@ -390,10 +347,14 @@ def _eval(args, target: Path) -> int:
     from orchestrator import runstore
     from orchestrator.coordinator import Coordinator
     from orchestrator.evaluation import compare
+    from orchestrator.preflight import evaluated_run_problem
     from orchestrator.runlog import CheckpointName, RunLog
     from protocols.config import ConfigError
 
     is_run = target.is_dir()
+    problem = evaluated_run_problem(target) if is_run else None
+    if problem:
+        raise ConfigError(problem)
     config = load_config(target / "config.yaml" if is_run else target, args.overrides + ["train.progress=false"])
     if config.eval is None:
         raise ConfigError(f"{args.target}: the config has no eval: section; add one (or eval.data.path=... as an override)")
@@ -404,6 +365,8 @@ def _eval(args, target: Path) -> int:
     coord = Coordinator(config)
     if args.compare:
         _check_metric(args.metric, coord.evaluation)
+    for name in set(names) - {"initial"}:
+        _checkpoint_path(name, log)  # each is there before anything starts
     results, labels = {}, {}
     with coord:
         for name in sorted(names, key=lambda n: n != "initial"):  # initial first: the trainers start there
@@ -437,13 +400,12 @@ def _eval(args, target: Path) -> int:
 def _check_metric(metric: str, evaluation) -> None:
     """Refuse, before any evaluation runs, a --metric that is neither reward/mean nor episode/KEY for a KEY that
     the environment's episode_info reports (seen in a trial episode on the first evaluation sample)."""
-    from orchestrator.rollout import attempts_of, make_environment
+    from orchestrator.preflight import trial_episode
     from protocols.config import ConfigError
 
     if metric == "reward/mean":
         return
-    env = make_environment(evaluation.make_env)
-    _, info = _trial_episode(env, evaluation.samples[0], evaluation.seed, attempts_of(env, evaluation.attempts))
+    info = trial_episode(evaluation.make_env, evaluation.samples[0], evaluation.seed, evaluation.attempts).info
     have = ", ".join(["reward/mean", *(f"episode/{k}" for k in sorted(info))])
     if not metric.startswith("episode/"):
         raise ConfigError(f"--metric {metric}: give reward/mean or episode/KEY; this environment reports {have}")
@@ -464,7 +426,8 @@ def _checkpoint_path(name: str, log):
     found = log.checkpoints()  # oldest first
     if name == "last":
         if not found:
-            raise ConfigError(f"{log.dir}: no complete checkpoint to evaluate")
+            raise ConfigError(f"{log.dir}: no complete checkpoint to evaluate; evaluate its initial models with "
+                              "--checkpoint initial, or wait for the run's first checkpoint (train.checkpoint_every)")
         return found[-1]
     checkpoint = log.find_checkpoint(name)
     if checkpoint is None:

@@ -30,6 +30,7 @@ from orchestrator.credit import CriticCredit
 from orchestrator.data import DataPosition, load_samples
 from orchestrator.evaluation import EvalResult, Evaluation, partner_agents, partner_seats
 from orchestrator.pipeline import AsyncRollouts, SyncRollouts, kept_rollouts
+from orchestrator.preflight import check_environment
 from orchestrator.runlog import (
     EVAL_TRANSCRIPTS, CheckpointName, RunDirError, RunLog, agent_files, as_checkpoint, checkpoint_problem,
     read_checkpoint_state, recorded_place,
@@ -81,6 +82,7 @@ class Coordinator:
         """Steps the rollouts run ahead of the updates (0: synchronous), and why agents' own bounds lowered it
         (said once by `run()`); `orchestrator.staleness`."""
         self.assignment = RoleAssignment(config.roles)
+        check_environment(config)  # kwargs its constructor lacks, partners it cannot seat: before Ray and trainers
         self.make_env = rollout.env_factory(config.environment.name, config.environment.kwargs)
         env = rollout.make_environment(self.make_env)  # a constructor that fails, fails here, before Ray and trainers
         self.max_turns = env.max_turns
@@ -91,6 +93,8 @@ class Coordinator:
         self.attempts = rollout.attempts_of(env, config.roles.attempts)  # role -> k: who answers each prompt k times
         self.samples = load_samples(config.data)
         self.evaluation = Evaluation(config, self.samples, listed) if config.eval else None
+        if self.evaluation and config.eval.environment_kwargs:
+            rollout.make_environment(self.evaluation.make_env)  # its own kwargs: made once now, not at the first evaluation
         if self.evaluation and (warning := self.evaluation.greedy_copies()):
             say(warning)
         self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat
@@ -130,9 +134,9 @@ class Coordinator:
         began = time.perf_counter()
         try:
             if self.config.ray.enabled:
-                from agent_trainer.actor import init_ray
+                from agent_trainer.actor import start_ray
 
-                self._owns_ray = init_ray(self.config.ray)
+                self._owns_ray = start_ray(self.config)
                 phase("Ray started" if self._owns_ray else "joined Ray", time.perf_counter() - began)
             ray_up = time.perf_counter()
             self.pool = self._start_trainers()

@@ -4,19 +4,15 @@ attempt, whose answers its episode's `step` gets together as a list."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import statistics
-import sys
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from protocols.env import (
     Environment, StepResult, as_reward, attempt_infos_problem, env_problem, episode_info_problem, prompts_problem,
 )
-from protocols.errors import UserError
+from protocols.errors import UserError, user_line
 from protocols.messages import Completion, Prompt
 
 
@@ -293,29 +289,3 @@ def _check(episode: Episode, turn: int, what: str, problem: str | None) -> None:
     if problem:
         raise EnvironmentFault(f"{_where(episode, turn)}: {type(episode.env).__name__}.{what}: {problem}; "
                                 "fix the environment (check it with check_env)")
-
-
-_NOT_USER_CODE = [str(Path(__file__).resolve().parents[1] / package) for package in ("protocols", "orchestrator",
-                                                                                     "agent_trainer")]
-
-
-def user_line(exc: BaseException) -> str | None:
-    """`file:line` of the innermost frame of `exc`'s traceback in the user's code (not marsi's, the standard
-    library's or an installed package's), relative to the working directory when inside it; None if none is."""
-    found = None
-    for frame, line in traceback.walk_tb(exc.__traceback__):
-        path = Path(frame.f_code.co_filename)
-        if path.is_file() and not _installed(path.resolve()):
-            found = (path, line)
-    if found is None:
-        return None
-    path, line = found
-    with contextlib.suppress(ValueError):
-        path = path.resolve().relative_to(Path.cwd())
-    return f"{path}:{line}"
-
-
-def _installed(path: Path) -> bool:
-    if any(part in ("site-packages", "dist-packages") for part in path.parts):
-        return True
-    return any(path.is_relative_to(root) for root in (*_NOT_USER_CODE, sys.base_prefix, sys.prefix))

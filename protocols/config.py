@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from protocols.errors import UserError
 from protocols.imports import ImportPathError, absolute_spec, import_object
+from protocols.local_checks import forward_env_name_problem, forward_env_problem, model_source
 
 
 class ConfigError(UserError, ValueError):
@@ -645,6 +646,15 @@ class RayConfig(_Strict):
     nodes as possible; `SPREAD` over nodes where it can; `STRICT_PACK` one node; `STRICT_SPREAD` each trainer on
     a node of its own (fails without enough nodes)."""
 
+    @field_validator("forward_env")
+    @classmethod
+    def _forward_env(cls, value: list[str]) -> list[str]:
+        for name in value:
+            problem = forward_env_name_problem(name)
+            if problem:
+                raise ValueError(problem)
+        return value
+
 
 def joins_cluster(config: RayConfig) -> bool:
     """Whether the trainers run on a Ray cluster marsi joins (`ray.address` or RAY_ADDRESS), possibly on
@@ -1039,17 +1049,6 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
-def _local_path(value: str, base: Path) -> Path | None:
-    """The absolute path `value` names if it is a local path (relative to `base`), or None (a hub id, a built-in).
-    `./x`, `../x`, `~/x` and `/x` are paths; `org/name` is a path only if it exists under `base`."""
-    if value.startswith("builtin:"):
-        return None
-    path = Path(value).expanduser()
-    if value.startswith(("./", "../", "~", "/")) or (base / path).exists():
-        return (base / path).resolve()
-    return None
-
-
 _MAX_VALUES = 100_000  # a config this large after alias expansion is an attack (a "billion laughs"), not a run
 
 
@@ -1113,6 +1112,13 @@ def load_config(path: str | Path, overrides: list[str] | None = None, *, check_i
     return validate_config(raw, source=path, check_imports=check_imports)
 
 
+def _model_source(key: str, value: str, base: Path, source: str | Path, check: bool) -> str:
+    resolved, problem = model_source(key, value, base, check=check)
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
+    return resolved
+
+
 def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", check_imports: bool = True) -> RunConfig:
     """Validate a config mapping; `source` names it in errors and anchors relative paths."""
     try:
@@ -1149,17 +1155,15 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
     if config.train.storage is not None and "://" not in config.train.storage:
         config.train.storage = str((base / Path(config.train.storage).expanduser()).resolve())
     on_cluster = joins_cluster(config.ray)
+    problem = forward_env_problem(config.ray.forward_env) if check_imports else None
+    if problem:
+        raise ConfigError(f"{source}: {problem}")
+    check_models = check_imports and not on_cluster  # on a cluster: checked on the node that hosts each agent
     for name, agent in config.agents.items():
         for key in ("model", "tokenizer"):
             value = getattr(agent, key)
-            if value is None:
-                continue
-            local = _local_path(value, base)
-            if local is not None:
-                if check_imports and not local.exists() and not on_cluster:  # on a cluster: checked on its node
-                    raise ConfigError(f"{source}: agents.{name}.{key}: {str(local)!r} not found; give an existing "
-                                      "directory (relative to the config file), a hub id, or a built-in")
-                setattr(agent, key, str(local))
+            if value is not None:
+                setattr(agent, key, _model_source(f"agents.{name}.{key}", value, base, source, check_models))
         adapter = agent.adapter
         if adapter is not None and adapter.path is not None:
             local = (base / Path(adapter.path).expanduser()).resolve()
@@ -1172,6 +1176,8 @@ def validate_config(raw: dict[str, Any], *, source: str | Path = "<config>", che
                                   f"base with adapters off, not the saved adapter it starts from, so algorithm.beta "
                                   f"{config.algorithm.beta:g} would pull it back to the base; set algorithm.beta: 0, or "
                                   "freeze it (schedule.frozen), or start from a fresh adapter")
+    if config.critic is not None and config.critic.model != "agent":
+        config.critic.model = _model_source("critic.model", config.critic.model, base, source, check_models)
     if check_imports:
         try:
             import_object(config.environment.name)

@@ -9,6 +9,7 @@ from protocols.env import (
     Environment, StepResult, answers, as_reward, attempt_infos_problem, env_problem, episode_info_problem,
     prompts_problem,
 )
+from protocols.errors import user_line
 
 
 class EnvCheckError(AssertionError):
@@ -40,22 +41,26 @@ def _check_reward(env: Environment, result: StepResult, where: str) -> None:
         raise EnvCheckError(f"{where}: {problem}")
 
 
-def play_episode(env: Environment, sample: dict[str, Any], seed: int, action_fn: ActionFn, rng: random.Random,
-                 where: str) -> list[tuple[dict[str, Any], StepResult]]:
-    """Play one episode, checking every turn; returns (prompts, result) per turn. A role in `env.attempts` answers
-    each prompt k times (`action_fn` called k times), and `step` gets the list of its k answers."""
+def play_episode(env: Environment, sample: dict[str, Any], seed: int, actions: Callable[[int], ActionFn],
+                 rng: random.Random, where: str) -> list[tuple[dict[str, Any], StepResult]]:
+    """Play one episode, checking every turn, with the actions `actions(turn)` gives on each turn (from 0); returns
+    (prompts, result) per turn. A role in `env.attempts` answers each prompt k times (the action function called k
+    times), and `step` gets the list of its k answers."""
     prompts = env.reset(sample, seed=seed)
     _check_prompts(env, prompts, f"{where} reset")
     if not prompts:
         raise EnvCheckError(f"{where} reset: no role acts on the first turn")
     turns = []
     for turn in range(env.max_turns + 1):
-        actions = answers(prompts, env.attempts, lambda role, prompt: action_fn(role, prompt, rng))
+        action_fn = actions(turn)
+        chosen = answers(prompts, env.attempts, lambda role, prompt: action_fn(role, prompt, rng))
         try:
-            result = env.step(actions)
+            result = env.step(chosen)
         except Exception as exc:  # the interface forbids raising on model text
-            raise EnvCheckError(f"{where} turn {turn + 1}: step raised {type(exc).__name__}: {exc} on actions {actions!r}; "
-                                "report invalid actions in infos instead") from exc
+            line = user_line(exc)
+            raise EnvCheckError(f"{where} turn {turn + 1}: step raised {type(exc).__name__}: {exc}"
+                                f"{f' at {line}' if line else ''} on actions {chosen!r:.300}; report invalid actions "
+                                "in infos instead") from exc
         if not isinstance(result, StepResult):
             raise EnvCheckError(f"{where} turn {turn + 1}: step must return a StepResult, got {type(result).__name__}")
         _check_reward(env, result, f"{where} turn {turn + 1}")
@@ -81,6 +86,14 @@ def play_episode(env: Environment, sample: dict[str, Any], seed: int, action_fn:
     raise EnvCheckError(f"{where}: episode ran past max_turns={env.max_turns} without ending")
 
 
+def _every_turn(action_fn: ActionFn) -> Callable[[int], ActionFn]:
+    return lambda turn: action_fn
+
+
+def _only_at(bad_turn: int, bad: ActionFn, good: ActionFn) -> Callable[[int], ActionFn]:
+    return lambda turn: bad if turn == bad_turn else good
+
+
 def check_env(env: Environment, samples: list[dict[str, Any]], action_fn: ActionFn | None = None,
               episodes: int = 4, seed: int = 0) -> None:
     """Raise EnvCheckError unless `env` follows the interface on `samples`.
@@ -90,7 +103,10 @@ def check_env(env: Environment, samples: list[dict[str, Any]], action_fn: Action
     hold k dicts if any; junk and empty actions are handled without raising (every attempt of an attempts role
     given one); every episode ends within max_turns; the same sample, seed and actions replay the same episode;
     episode_info is a dict of scalars.
-    `action_fn(role, prompt, rng)` gives well-formed actions when the environment has a notion of them.
+    `action_fn(role, prompt, rng)` gives well-formed actions when the environment has a notion of them. Junk and
+    empty actions are played on every turn, and, with `action_fn`, also at each turn t alone, after well-formed
+    actions at the turns before (and with well-formed ones after): an environment whose later turns parse model
+    text is reached there with junk too.
     """
     if not isinstance(env, Environment):
         raise EnvCheckError(f"{type(env).__name__} must subclass protocols.env.Environment")
@@ -99,16 +115,27 @@ def check_env(env: Environment, samples: list[dict[str, Any]], action_fn: Action
         raise EnvCheckError(problem)
     if not samples:
         raise EnvCheckError("check_env needs at least one sample")
-    fns = [("junk", _junk_action), ("empty", _empty_action)] + ([("given", action_fn)] if action_fn else [])
-    for name, fn in fns:
-        for i in range(episodes):
-            sample = samples[i % len(samples)]
-            where = f"{name} actions, episode {i + 1}"
-            first = play_episode(env, sample, seed + i, fn, random.Random(i), where)
-            problem = episode_info_problem(env.episode_info())
-            if problem:
-                raise EnvCheckError(f"{where}: {problem}")
-            again = play_episode(env, sample, seed + i, fn, random.Random(i), where + " (replay)")
-            if [(p, r.reward, r.terminated, r.truncated) for p, r in first] != \
-               [(p, r.reward, r.terminated, r.truncated) for p, r in again]:
-                raise EnvCheckError(f"{where}: the same sample, seed and actions gave a different episode")
+    bad = [("junk", _junk_action), ("empty", _empty_action)]
+    for i in range(episodes):
+        sample = samples[i % len(samples)]
+        plans = [(f"{name} actions", _every_turn(fn)) for name, fn in bad]
+        if action_fn is not None:
+            given = _checked_episode(env, sample, seed + i, _every_turn(action_fn), i, f"given actions, episode {i + 1}")
+            plans += [(f"{name} actions at turn {t + 1} after given ones", _only_at(t, fn, action_fn))
+                      for t in range(1, given) for name, fn in bad]
+        for name, actions in plans:
+            _checked_episode(env, sample, seed + i, actions, i, f"{name}, episode {i + 1}")
+
+
+def _checked_episode(env: Environment, sample: dict[str, Any], seed: int, actions: Callable[[int], ActionFn],
+                     i: int, where: str) -> int:
+    """Play an episode, check its episode_info, replay it; its number of turns."""
+    first = play_episode(env, sample, seed, actions, random.Random(i), where)
+    problem = episode_info_problem(env.episode_info())
+    if problem:
+        raise EnvCheckError(f"{where}: {problem}")
+    again = play_episode(env, sample, seed, actions, random.Random(i), where + " (replay)")
+    if [(p, r.reward, r.terminated, r.truncated) for p, r in first] != \
+       [(p, r.reward, r.terminated, r.truncated) for p, r in again]:
+        raise EnvCheckError(f"{where}: the same sample, seed and actions gave a different episode")
+    return len(first)

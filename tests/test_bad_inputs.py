@@ -176,6 +176,7 @@ def _run_dir_without_checkpoint(tmp_path, evaluating=False):
     raw = config()
     if evaluating:
         raw["eval"] = {"data": {"factory": f"{ENVS}:held_out"}}
+        (run_dir / "metrics.jsonl").write_text("")  # a run that has begun (marsi eval reads run directories only)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(raw))
     return run_dir
 
@@ -232,3 +233,137 @@ def test_numpy_rewards_are_accepted(tmp_path, capsys):
     assert main(run(faulty_env("numpy_reward"))(tmp_path)) == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(isinstance(r["reward/mean"], float) for r in rows)
+
+
+# ------------------------------------------------------------------------------- found before anything starts
+# `marsi` in a subprocess that would start a local Ray cluster (ray.enabled, no RAY_ADDRESS) in RAY_TMPDIR: each case
+# is one line on stderr, nothing on stdout, exit 2, no Ray session, and the test's directory as it was.
+
+def _ray_cfg(tmp_path, edit=None, *, ray=True, name="run.yaml", evaluating=False):
+    raw = config(ray=ray, train={"steps": 1})
+    if evaluating:
+        raw["eval"] = {"data": {"factory": f"{ENVS}:held_out"}}
+    if edit:
+        edit(raw)
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _run_at(tmp_path, edit=None, **kwargs):
+    return ["run", str(_ray_cfg(tmp_path, edit, **kwargs)), "--run-dir", str(tmp_path / "out")]
+
+
+def _validate(tmp_path, edit=None, **kwargs):
+    return ["validate", str(_ray_cfg(tmp_path, edit, **kwargs))]
+
+
+def _example_dir(tmp_path):
+    """A directory holding a config.yaml and nothing a run writes, as an example's directory does."""
+    _ray_cfg(tmp_path, name="example/config.yaml", evaluating=True)
+    return ["eval", str(tmp_path / "example")]
+
+
+def _started_run(tmp_path):
+    """A run directory of a run that has logged no checkpoint yet."""
+    _ray_cfg(tmp_path, name="started/config.yaml", evaluating=True)
+    (tmp_path / "started" / "metrics.jsonl").write_text("")
+    return ["eval", str(tmp_path / "started")]
+
+
+def _empty_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    return ["eval", str(tmp_path / "empty")]
+
+
+def _scripted_partner_without_player(raw):
+    """An evaluation that seats the environment's scripted player, in an environment that has none."""
+    ok = HERE / "fixtures" / "env_ok.py"
+    raw.update(environment={"name": f"{ok}:OkEnv", "kwargs": {}}, roles={"assignment": {"speaker": "a", "listener": "b"}},
+               data={"factory": f"{ok}:make_dataset"})
+    raw["eval"] = {"data": {"factory": f"{ok}:make_dataset", "kwargs": {"n": 3}}, "partners": {"alone": {"b": "scripted"}}}
+
+
+def _other_run(tmp_path):
+    """Another run's directory, holding train.storage of the next run."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.yaml").write_text("{}\n")
+    (tmp_path / "old" / "metrics.jsonl").write_text("")
+    return setter("train.storage", str(tmp_path / "old" / "store"))
+
+
+def _forward(*names):
+    return setter("ray.forward_env", list(names))
+
+
+BEFORE_START = [  # (id, docs/errors.md case, argv, environment variables set (None: removed)[, the row's words])
+    ("eval_empty_dir", "eval_not_a_run_dir", _empty_dir, {}),
+    ("eval_example_dir", "eval_config_dir", _example_dir, {}),
+    ("eval_started_run", "eval_without_checkpoint", _started_run, {}),
+    ("run_env_kwarg", "env_kwarg_unknown", lambda t: _run_at(t, setter("environment.kwargs.rolez", 1)), {}),
+    ("validate_env_kwarg", "env_kwarg_unknown", lambda t: _validate(t, setter("environment.kwargs.rolez", 1)), {}),
+    ("run_eval_env_kwarg", "eval_env_kwarg_unknown", lambda t: _run_at(
+        t, setter("eval.environment_kwargs", {"turnz": 2}), evaluating=True), {}),
+    ("run_scripted_partner", "partner_scripted_without_player", lambda t: _run_at(t, _scripted_partner_without_player),
+     {}),
+    ("run_critic_model", "critic_model_missing", lambda t: _run_at(
+        t, lambda raw: raw.update(algorithm={"baseline": "critic"}, critic={"model": "/no/such/critic"})), {}),
+    ("run_hub_model", "hub_model_not_cached", lambda t: _run_at(t, setter("agents.a.model", "marsi-test/not-cached")),
+     {"HF_HUB_OFFLINE": "1"}),
+    ("validate_hub_model", "hub_model_not_cached", lambda t: _validate(
+        t, setter("agents.a.model", "marsi-test/not-cached")), {"HF_HUB_OFFLINE": "1"}),
+    ("run_forward_unset", "forward_env_unset", lambda t: _run_at(t, _forward("MARSI_TEST_UNSET")),
+     {"MARSI_TEST_UNSET": None}),
+    ("validate_forward_unset", "forward_env_unset", lambda t: _validate(t, _forward("MARSI_TEST_UNSET")),
+     {"MARSI_TEST_UNSET": None}),
+    ("validate_forward_unset_without_ray", "forward_env_unset", lambda t: _validate(
+        t, _forward("MARSI_TEST_UNSET"), ray=False), {"MARSI_TEST_UNSET": None}),
+    ("validate_forward_empty", "forward_env_empty", lambda t: _validate(t, _forward("MARSI_TEST_EMPTY")),
+     {"MARSI_TEST_EMPTY": ""}),
+    ("run_forward_value", "forward_env_with_value", lambda t: _run_at(t, _forward("MARSI_TEST=hunter2")), {}),
+    ("validate_forward_value_without_ray", "forward_env_with_value", lambda t: _validate(
+        t, _forward("MARSI_TEST=hunter2"), ray=False), {}),
+    ("run_custom_resource", "local_resource_missing", lambda t: _run_at(
+        t, setter("agents.a.resources.custom", {"marsi_test": 1})), {}),
+    ("validate_custom_resource", "local_resource_missing", lambda t: _validate(
+        t, setter("agents.a.resources.custom", {"marsi_test": 1})), {}),
+    ("run_accelerator_type", "local_accelerator_missing", lambda t: _run_at(
+        t, setter("agents.a.resources.accelerator_type", "MARSI-X1")), {}),
+    ("run_label_selector", "local_label_missing", lambda t: _run_at(
+        t, setter("agents.a.resources.label_selector", {"zone": "marsi-test"})), {}),
+    ("run_storage_in_run_dir", "storage_in_run_dir", lambda t: _run_at(
+        t, setter("train.storage", str(t / "out" / "store"))), {}, {"STORE": "<tmp>/out/store", "PLACE": "<tmp>/out/store/out"}),
+    ("run_storage_beside_run_dir", "storage_in_run_dir", lambda t: _run_at(t, setter("train.storage", str(t))), {},
+     {"STORE": "<tmp>", "PLACE": "<tmp>/out"}),
+    ("run_storage_in_other_run", "storage_in_other_run", lambda t: _run_at(t, _other_run(t)), {},
+     {"PLACE": "<tmp>/old/store/out"}),
+    ("validate_storage_in_other_run", "storage_in_other_run", lambda t: _validate(t, _other_run(t)), {},
+     {"PLACE": "<tmp>/old/store/run-{time}"}),  # the run directory train.run_dir names, {time} left as it is
+]
+
+
+def _files(root):
+    return sorted((str(p.relative_to(root)), p.is_file() and p.read_bytes()) for p in root.rglob("*")
+                  if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("name, case, make_argv, variables, words", [(*c, {})[:5] for c in BEFORE_START],
+                         ids=[c[0] for c in BEFORE_START])
+def test_bad_input_fails_before_anything_starts(name, case, make_argv, variables, words, tmp_path):
+    import os
+    import subprocess
+
+    argv = make_argv(tmp_path)
+    values = {k: v.replace("<tmp>", str(tmp_path)) for k, v in words.items()}
+    before = _files(tmp_path)
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray"), "HF_HOME": str(tmp_path / "hf")}
+    env = {k: v for k, v in {**env, "RAY_ADDRESS": None, **variables}.items() if v is not None}
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and out.stdout == "", (out.stdout, out.stderr)
+    assert_documented(case, out.stderr, exit=out.returncode, tmp=tmp_path, **values)
+    assert "hunter2" not in out.stderr  # a value written into ray.forward_env by mistake is not echoed
+    assert not (tmp_path / "ray").exists()  # no Ray session was started
+    assert _files(tmp_path) == before and not (tmp_path / "out").exists()

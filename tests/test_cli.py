@@ -151,6 +151,16 @@ def test_run_joins_a_separately_started_cluster(tmp_path):
         assert out.returncode == 0, out.stderr
         assert f"joined the Ray cluster at {address}" in out.stderr
         assert len(metrics(tmp_path / "run")) == 1
+        # a custom resource no node has: one line, nothing before it, from run and validate alike
+        raw = config(ray=True, train={"steps": 1})
+        raw["agents"]["b"]["resources"]["custom"] = {"marsi_test": 1}
+        for command in (["run", write(tmp_path, raw), "--run-dir", tmp_path / "refused"], ["validate", write(tmp_path, raw)]):
+            out = marsi(*command, env={"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"})
+            assert out.returncode == 2 and out.stdout == "", out.stdout
+            assert out.stderr == ("marsi: error: agents.b.resources.custom 'marsi_test': no node of the Ray cluster has it "
+                                  "(custom resources and GPU types here: none); start a node with it (ray start "
+                                  "--resources=...) or change the setting\n")
+        assert not (tmp_path / "refused").exists()
     finally:
         head.terminate()
         head.wait(timeout=90)

@@ -122,6 +122,24 @@ def test_the_cli_reference_prints_help_as_marsi_help_does():
     assert "with a 95% confidence interval" in row and "%%" not in page
 
 
+def _anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings, as mkdocs' toc makes them (lower case, punctuation dropped, each run of
+    spaces and '-' one '-')."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", h.strip().lower())) for h in headings}
+
+
+def test_the_readme_is_a_map():
+    """At most 200 lines, opening with the two commands a newcomer runs; every page and heading it links to exists
+    (the detail lives there)."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    assert commands(next(BLOCK.finditer(text))["body"]) == ["make demo", "make test"]
+    for target, anchor in re.findall(r"\]\(([^)#:]+)(?:#([^)]*))?\)", text):
+        assert (REPO / target).is_file(), target
+        assert not anchor or anchor in _anchors(REPO / target), f"{target}#{anchor}"
+
+
 @pytest.mark.subprocess
 @pytest.mark.skipif(shutil.which("mkdocs", path=str(Path(sys.executable).parent)) is None,
                     reason="needs the docs extra (make setup installs it)")

@@ -14,6 +14,7 @@ from protocols.env import Environment, StepResult
 from protocols.imports import import_object
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 @pytest.mark.parametrize("config_path", sorted(EXAMPLES.glob("*/config.yaml")), ids=lambda p: p.parent.name)
@@ -91,6 +92,17 @@ def test_the_custom_coordinator_page_shows_the_scripts_own_loop():
     page = (EXAMPLES.parent / "docs" / "custom-coordinators.md").read_text()
     [loop] = re.findall(r"```python\n(with coord:\n.*?)```", page, re.S)
     assert loop in (EXAMPLES / "custom_coordinator.py").read_text()
+
+
+def test_check_env_plays_junk_at_each_turn_after_well_formed_turns():
+    """Junk on every turn ends this episode at once (the proposer's junk is refused), so only junk at turn 2,
+    after a well-formed proposal, reaches the solver's int()."""
+    relay = import_object(f"{FIXTURES / 'number_relay.py'}:NumberRelay")
+    check_env(relay(), [{}])  # without well-formed actions there is no way to turn 2
+    with pytest.raises(EnvCheckError, match=r"empty actions at turn 2 after given ones, episode 1 turn 2: step raised "
+                                            r"ValueError: invalid literal for int\(\) with base 10: '' at "
+                                            r"tests/fixtures/number_relay.py:\d+ on actions \{'solver': ''\}"):
+        check_env(relay(), [{}], action_fn=import_object(f"{FIXTURES / 'number_relay.py'}:sample_action"))
 
 
 def test_custom_coordinator_script_runs_and_resumes_exactly(ray_cluster, tmp_path):

@@ -71,6 +71,26 @@ def test_validate_names_frozen_agents_and_their_unused_optimizer_settings(tmp_pa
     assert "never updated" not in out.stdout
 
 
+def _proposer_solver(tmp_path, fault):
+    """A config of tests/fixtures/number_relay.py, whose solver's turn parses model text with int()."""
+    raw = config(("p", "s"), roles={"proposer": "p", "solver": "s"})
+    raw["environment"] = {"name": f"{HERE / 'fixtures' / 'number_relay.py'}:NumberRelay", "kwargs": {"fault": fault}}
+    raw["data"] = {"factory": f"{HERE / 'fixtures' / 'number_relay.py'}:make_dataset"}
+    return write(tmp_path, raw)
+
+
+@pytest.mark.parametrize("fault, case", [("nan", "validate_trial_nan_reward"), ("raise", "validate_trial_raises"),
+                                         ("", "validate_check_env")])
+def test_validate_plays_its_trial_episode_with_the_checks_of_a_run_and_of_check_env(fault, case, tmp_path):
+    """A final reward that is not finite, an exception at turn 2 (named as a run names it: class, file:line, episode,
+    turn), and int() on junk model text at turn 2, which only junk after a well-formed first turn reaches."""
+    from tests.errors_doc import assert_documented
+
+    out = marsi("validate", _proposer_solver(tmp_path, fault))
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert_documented(case, out.stderr, exit=out.returncode, tmp=tmp_path)
+
+
 # ------------------------------------------------------------------------------------- paths and data
 def test_relative_and_home_model_paths_resolve_against_the_config_file(tmp_path, monkeypatch):
     from agent_trainer.models import resolve_model_path
@@ -86,6 +106,29 @@ def test_relative_and_home_model_paths_resolve_against_the_config_file(tmp_path,
     monkeypatch.chdir(tmp_path)  # elsewhere than the config file
     cfg = load_config(write(tmp_path / "cfg", raw))
     assert cfg.agents["a"].model == str(model_dir.resolve()) == cfg.agents["b"].model
+
+
+def test_a_hub_model_in_the_local_cache_validates_offline_and_one_missing_is_named(tmp_path):
+    """Offline, a hub id is looked up in the local Hugging Face cache (HF_HOME): the tiny model's files put there
+    as a download leaves them validate; another id gets the one line that names the agent, the model and the fix."""
+    import shutil
+
+    from agent_trainer.models import resolve_model_path
+
+    snapshot = tmp_path / "hf" / "hub" / "models--marsi-test--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(resolve_model_path("builtin:tiny"), snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    raw = config()
+    raw["agents"]["a"]["model"] = "marsi-test/tiny"
+    offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    out = marsi("validate", write(tmp_path, raw), env=offline)
+    assert out.returncode == 0, out.stderr
+    raw["agents"]["b"]["model"] = "marsi-test/other"
+    out = marsi("validate", write(tmp_path, raw), env=offline)
+    assert out.returncode == 2 and out.stderr.startswith(
+        f"marsi: error: {tmp_path}/run.yaml: agents.b.model: 'marsi-test/other' is not in the local Hugging Face "
+        f"cache ({tmp_path}/hf/hub) and HF_HUB_OFFLINE is set"), out.stderr
 
 
 def test_a_dataset_saved_with_save_to_disk_loads_through_data_path(tmp_path):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent_trainer.actor import actor_extras, bundle_of, missing_resources, trainer_env
+from agent_trainer.actor import actor_extras, bundle_of, trainer_env
+from agent_trainer.group import missing_resources
 from agent_trainer.handle import PlacementError
 from protocols.config import ConfigError, RayConfig, ResourcesConfig, validate_config
 from tests.envs import config
@@ -98,7 +99,7 @@ def test_a_strategy_per_agent_is_refused_under_a_strict_strategy_for_all():
 
 @pytest.mark.fast
 def test_a_label_selector_no_live_node_matches_is_refused_naming_the_agent():
-    from agent_trainer.actor import unmatched_labels
+    from agent_trainer.group import unmatched_labels
     from tests.errors_doc import assert_documented
 
     nodes = [{"Alive": True, "Labels": {"ray.io/node-id": "abc", "zone": "a"}},
