@@ -10,7 +10,8 @@
     RUN_DIR/.lock                held (flock) by the one live process writing the run
 
 A run directory belongs to one run: a new run refuses a directory that holds one, and a lock keeps a
-second live process out. Files are never rewritten in place: a cut-back file is written beside the
+second live process out; with `train.storage`, the run's lease in the store (`orchestrator/lease.py`) keeps out a
+second writer on any machine. Files are never rewritten in place: a cut-back file is written beside the
 old one and renamed over it. `coordinator.json` is written last and carries a checksum (and size) of
 every other file of its checkpoint, as the trainers that wrote them reported, and of itself.
 
@@ -39,12 +40,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import IO, Any, ClassVar, Iterator
 
 import yaml
 
 from agent_trainer import storage
 from agent_trainer.storage import StorageError
+from orchestrator.lease import Lease
 from protocols.config import LoggingConfig, RunConfig
 from protocols.errors import UserError
 from protocols.messages import Location
@@ -108,6 +110,24 @@ def make_run_dir(template: str, name: str) -> Path:
     raise RunDirError(f"{base}: 10,000 run directories of this name exist; set train.run_dir or --run-dir")
 
 
+def lock_dir(run_dir: Path):
+    """Hold the run directory's lock (`RUN_DIR/.lock`, an flock that a killed process drops too): the open file, to
+    close to release it; RunDirError naming the holder when another live process has it."""
+    lock = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise RunDirError(f"{run_dir}: in use by {holder}; wait for it to end or stop it first") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"marsi pid {os.getpid()}")
+    lock.flush()
+    return lock
+
+
 def holds_run(path: Path) -> bool:
     return any((path / name).exists() for name in ("config.yaml", "metrics.jsonl", "checkpoints"))
 
@@ -122,15 +142,17 @@ class RunLog:
         self.storage = storage if storage is not None else recorded_storage(self.dir)
         self._place = recorded_place(self.dir) if self.storage is not None else None
         self.loggers: list[Logger] = []  # TensorBoard, W&B: opened by claim()
+        self.lease: Lease | None = None  # with train.storage: this process's lease of the run's place, from claim()
         self._lock = None
         self._full: set[str] = set()  # transcript files that reached train.transcripts_max_mb
         self._unreachable = False  # a call to the store timed out at claim: no cleanup there
         self._made_root = False  # train.storage did not exist before this run made it (removed again if left empty)
 
     # ------------------------------------------------------------------------------------ claim
-    def claim(self, *, resume: bool) -> None:
+    def claim(self, *, resume: bool, take_over: bool = False) -> None:
         """Become the one writer of this directory: a new run needs a directory that holds no run, a
-        resumed one a directory that does; either way no other live process may hold it."""
+        resumed one a directory that does; either way no other live process may hold it, and with train.storage
+        no other marsi the run's lease (`take_over`: take over a stale one)."""
         if resume and not holds_run(self.dir):
             raise RunDirError(f"{self.dir}: holds no run to resume (no config.yaml); start one with marsi run")
         if not resume and holds_run(self.dir):
@@ -138,32 +160,25 @@ class RunLog:
                               "(or give a new --run-dir)")
         missing_extra(self.logging)
         self.dir.mkdir(parents=True, exist_ok=True)
-        lock = open(self.dir / ".lock", "a+")
+        self._lock = lock_dir(self.dir)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "another process"
-            lock.close()
-            raise RunDirError(f"{self.dir}: in use by {holder}; wait for it to end or stop it first") from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"marsi pid {os.getpid()}")
-        lock.flush()
-        self._lock = lock
-        try:
-            self._claim_storage(resume)
+            self._claim_storage(resume, take_over)
             self.loggers = open_loggers(self.logging, self.dir)
         except BaseException:
             self.release()
             raise
 
-    def _claim_storage(self, resume: bool) -> None:
-        """A new run's place in the store must hold no other run's checkpoints (in the run directory, which
-        holds no run, it holds none); it is made now, so an unreachable store fails before any trainer starts."""
+    def _claim_storage(self, resume: bool, take_over: bool) -> None:
+        """Take the run's lease (train.storage); a new run's place in the store must hold no other run's checkpoints
+        (in the run directory, which holds no run, it holds none); it is made now, so an unreachable store fails
+        before any trainer starts."""
         root = self.checkpoint_dir()
         try:
             self._made_root = self.storage is not None and not resume and not storage.exists(Location.parse(self.storage))
+            if self.storage is not None:
+                lease = Lease(root.parent)
+                lease.take(take_over=take_over)
+                self.lease = lease
             if not resume and self.checkpoints():
                 raise RunDirError(f"train.storage: {root} already holds checkpoints of a run named {self.dir.resolve().name}; "
                                   f"continue that run with: marsi resume {root.parent}; or give a new --run-dir (its name "
@@ -179,6 +194,16 @@ class RunLog:
         if not resume and self.storage is not None:
             self._place = root.parent
             (self.dir / STORE_RECORD).write_text(json.dumps({"place": str(self._place)}) + "\n")
+
+    def owns_place(self) -> bool:
+        """Whether this process may change the run's place in the store: it holds the run's lease (train.storage),
+        or the run has its checkpoints in its run directory, which its lock keeps."""
+        return self.storage is None or (self.lease is not None and self.lease.held)
+
+    def _confirm_lease(self) -> None:
+        """Before anything of a checkpoint is written or committed: LeaseLost unless this process holds the lease."""
+        if self.lease is not None:
+            self.lease.confirm()
 
     def _remove_empty_place(self) -> None:
         """Remove the run's place in the store (the run directory, or STORAGE/RUN_NAME), made at claim, if it
@@ -198,14 +223,25 @@ class RunLog:
         if self._lock is None:
             return
         self._close_loggers()
+        owned = self._release_lease()
         if self.dir.is_dir() and {p.name for p in self.dir.iterdir()} <= {".lock", "checkpoints", STORE_RECORD}:
             (self.dir / ".lock").unlink(missing_ok=True)
             (self.dir / STORE_RECORD).unlink(missing_ok=True)
-            self._remove_empty_place()
+            if owned:
+                self._remove_empty_place()
             with contextlib.suppress(OSError):
                 self.dir.rmdir()
         self._lock.close()  # closing the file drops the flock; a killed process drops it too
         self._lock = None
+
+    def _release_lease(self) -> bool:
+        """Give up the run's lease (deleted from the store, so that the place may be empty); whether this process
+        owned the place until now."""
+        owned = self.owns_place()
+        if self.lease is not None:
+            with contextlib.suppress(OSError, StorageError):
+                self.lease.release()
+        return owned
 
     def _close_loggers(self) -> None:
         loggers, self.loggers = self.loggers, []
@@ -291,10 +327,11 @@ class RunLog:
             (self.dir / name).unlink(missing_ok=True)
         for name in ("source", "tensorboard", "wandb"):
             shutil.rmtree(self.dir / name, ignore_errors=True)
-        with contextlib.suppress(OSError, StorageError):  # its checkpoints (a new run found their place empty)
-            if not self._unreachable:
-                storage.delete(self.checkpoint_dir())
-        self._remove_empty_place()
+        if self._release_lease():  # nothing of the store is touched where another marsi holds the run's lease
+            with contextlib.suppress(OSError, StorageError):  # its checkpoints (a new run found their place empty)
+                if not self._unreachable:
+                    storage.delete(self.checkpoint_dir())
+            self._remove_empty_place()
         with contextlib.suppress(OSError):
             self.dir.rmdir()  # only if nothing else is in it
         return True
@@ -366,12 +403,16 @@ class RunLog:
 
     def staging_path(self, step: int) -> Location:
         """Where to write the checkpoint of `step`: its own place in the store, emptied (its commit record first)."""
+        self._confirm_lease()
         place = self.checkpoint_dir() / str(CheckpointName(step))
         storage.delete(place, first=CHECKPOINT_DONE)
         return place
 
     def abort_checkpoint(self, staging: Location) -> None:
-        """Remove a checkpoint that will not be committed (it only takes space), its commit record first."""
+        """Remove a checkpoint that will not be committed (it only takes space), its commit record first; nothing
+        where this process no longer holds the run's lease."""
+        if not self.owns_place():
+            return
         with contextlib.suppress(OSError, StorageError):
             storage.delete(staging, first=CHECKPOINT_DONE)
 
@@ -390,6 +431,7 @@ class RunLog:
                                    "checkpoint storage (train.storage)")
         record = {**state, "manifest": {name: digest for name, (digest, _) in files.items()},
                   "sizes": {name: size for name, (_, size) in files.items()}}
+        self._confirm_lease()
         storage.commit_bytes(staging / CHECKPOINT_DONE, json.dumps({**record, "sha256": _digest(record)}).encode())
         for old in self.checkpoints()[:-keep]:
             self.abort_checkpoint(old)
@@ -495,12 +537,16 @@ def checkpoint_problem(path: Location) -> str | None:
     except OSError as exc:
         return f"its files cannot be listed ({' '.join(str(exc).split())})"
     for name in state["manifest"]:
+        if not _inside(name):
+            return f"its manifest names {name!r}, a path outside the checkpoint"
         if name not in present:
             return f"{name} is missing"
         recorded = state.get("sizes", {}).get(name)
         if recorded is not None and present[name] != recorded:
             return f"{name} does not match its checksum (it is {present[name]} bytes, not {recorded})"
     for name, segments in state.get("records", {}).items():  # the transcripts' segments, beside the checkpoints
+        if name not in (TRANSCRIPTS, EVAL_TRANSCRIPTS) or not all(_is_digest(digest) for digest, _ in segments):
+            return f"its records name {name!r}, which is not a transcripts file of the run's segments"
         try:
             stored = storage.file_sizes(path.parent.parent / SEGMENTS / name)
         except OSError as exc:
@@ -509,6 +555,16 @@ def checkpoint_problem(path: Location) -> str | None:
             if stored.get(digest) != size:
                 return f"{SEGMENTS}/{name}/{digest} is {'missing' if digest not in stored else 'cut short'}"
     return None
+
+
+def _inside(name: str) -> bool:
+    """Whether a manifest's relative name stays inside its checkpoint (a store shared with others may hold a crafted
+    `coordinator.json`: its names become paths where the files are downloaded)."""
+    return bool(name) and not name.startswith("/") and all(part not in ("", ".", "..") for part in name.split("/"))
+
+
+def _is_digest(text: object) -> bool:
+    return isinstance(text, str) and len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def agent_files(checkpoint: Location, agent: str) -> dict[str, str]:
