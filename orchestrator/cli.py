@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (or runs' places in "
                        "train.storage, STORAGE/RUN_NAME), overlaid in the curves")
         p.add_argument("--out", help=out)
+        if name == "report":
+            p.add_argument("--force", action="store_true", help="let --out replace a file that is not a report marsi "
+                           "wrote (a run's record, say)")
         p.add_argument("--smoothing", type=_smoothing, default=None,
                        help="weight of the moving average drawn over the raw reward, in [0, 1) (default: 0.6)")
     p = sub.add_parser("eval", parents=[common],
@@ -525,10 +528,13 @@ def _run_views(targets: list[str]):
 def cmd_report(args) -> int:
     from orchestrator.plot import SMOOTHING
     from orchestrator.report import report
+    from orchestrator.runfiles import check_output
 
+    if args.out:
+        check_output(Path(args.out), force=args.force)  # before a run is fetched from its store
     with _run_views(args.run_dirs) as run_dirs:
         out = args.out or (None if run_dirs[0] == Path(args.run_dirs[0]) else "report.html")  # a place in storage: here
-        print(report(run_dirs, out, SMOOTHING if args.smoothing is None else args.smoothing))
+        print(report(run_dirs, out, SMOOTHING if args.smoothing is None else args.smoothing, force=args.force))
     return 0
 
 

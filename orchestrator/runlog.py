@@ -594,10 +594,11 @@ def _digest(record: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def _jsonl_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(line, row) of a JSON-lines file. A torn final line (a crash or full disk mid-append) is dropped
-    and reported; a corrupt line elsewhere is a one-line error naming the file and line."""
-    with open(path) as f:
+def _jsonl_lines(path: Path, stream: IO[str] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(line, row) of a JSON-lines file (read from `stream` if given, `path` naming it). A torn final line (a crash or
+    full disk mid-append) is dropped and reported; a corrupt line elsewhere is a one-line error naming the file and
+    line."""
+    with open(path) if stream is None else stream as f:
         for number, line in enumerate(f, 1):
             if not line.endswith("\n"):
                 print(f"marsi: {path}:{number}: dropping a torn last line ({len(line)} characters, cut off "
@@ -614,10 +615,10 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             yield line, row
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
+def read_jsonl(path: Path, stream: IO[str] | None = None) -> list[dict[str, Any]]:
+    if stream is None and not path.exists():
         return []
-    return [row for _, row in _jsonl_lines(path)]
+    return [row for _, row in _jsonl_lines(path, stream)]
 
 
 class MissingExtra(UserError, ImportError):
