@@ -17,9 +17,11 @@ step's episodes and can reach gigabytes, are not uploaded whole each time: a che
 (sha256, size) whose concatenation is the file at step N, and only the bytes appended since the newest committed
 checkpoint go up, as one new segment (a file rewritten below what that checkpoint holds, after a resume from an
 older one, starts a segment where the two part). Segments are shared by checkpoints and removed once no kept
-checkpoint lists them. `fetch_run` makes a run directory from the newest complete checkpoint that holds the
-records; `marsi resume | eval | export | plot | report` take the run's place in the store (`STORAGE/RUN_NAME`)
-wherever they take a run directory.
+checkpoint lists them. `fetch_run` makes a run directory from the newest complete checkpoint whose records are
+intact (written aside, renamed into place once whole); `marsi resume | eval | export | plot | report` take the
+run's place in the store (`STORAGE/RUN_NAME`) wherever they take a run directory. A run directory whose records are
+not those of the checkpoint a resume goes on from (older: another machine went on from the store) is brought up to
+it (`reconcile`); the run's lease (`orchestrator/lease.py`) keeps a second writer out.
 """
 
 from __future__ import annotations
