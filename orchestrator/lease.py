@@ -8,7 +8,7 @@ checkpoint with a replace-if-unchanged, checked before a checkpoint is written a
 and deleted when the coordinator closes. A second writer is refused in one line naming the holder (`LeaseHeld`).
 
 A lease whose holder is gone is taken over: at once when the holder ran on this machine and its process is gone
-(same host and boot, pid absent or started at another time); with `--take-over` (`take_over=True`) when its
+(same host, boot and pid namespace; pid absent or started at another time); with `--take-over` (`take_over=True`) when its
 heartbeat is older than `STALE_S` seconds (a holder on another machine cannot be asked; clocks are assumed to agree
 within a minute). The take-over is itself a replace-if-unchanged, so of two machines taking over one lease one
 wins. A holder whose lease was taken over finds out at its next heartbeat or checkpoint and stops (`LeaseLost`)
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
 import secrets
 import socket
@@ -56,7 +57,7 @@ class Owner:
     started: str | None
     """The process's start time (Linux: clock ticks since boot, from /proc/PID/stat), so a reused pid is told apart."""
     boot: str | None
-    """This boot of the host (Linux: /proc/sys/kernel/random/boot_id)."""
+    """This boot of the host and the process's pid namespace (Linux: /proc/sys/kernel/random/boot_id, /proc/self/ns/pid)."""
     user: str
     since: float
     heartbeat: float
@@ -69,11 +70,15 @@ class Owner:
 
     @classmethod
     def parse(cls, data: bytes) -> Owner | None:
+        """The holder a lease object names; None when it is not one (a store shared with others may hold anything)."""
         try:
             raw = json.loads(data)
-            return cls(**{k: raw[k] for k in cls.__dataclass_fields__})
-        except (ValueError, TypeError, KeyError):
+            optional = {k: None if raw[k] is None else str(raw[k]) for k in ("started", "boot")}
+            owner = cls(token=str(raw["token"]), host=str(raw["host"]), pid=int(raw["pid"]), user=str(raw["user"]),
+                        since=float(raw["since"]), heartbeat=float(raw["heartbeat"]), **optional)
+        except (ValueError, TypeError, KeyError, OverflowError):
             return None
+        return owner if math.isfinite(owner.since) and math.isfinite(owner.heartbeat) else None
 
     def encode(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True) + "\n").encode()
@@ -214,9 +219,11 @@ def _start_time(pid: int) -> str | None:
 
 
 def _boot_id() -> str | None:
+    """This boot of the machine and this process's pid namespace (two containers on one machine may share a host
+    name and a boot, not their pids)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
+            return f"{f.read().strip()} {os.readlink('/proc/self/ns/pid')}"
     except OSError:
         return None
 
