@@ -42,17 +42,7 @@ def create(loc: Location, data: bytes) -> bool:
     """Write `data` at `loc` unless something is there already; whether it was written."""
     path = _local(loc)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(path):
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            return True
+        return storage._within(f"creating {loc}", _local_create, path, data)
     client = _s3(loc)
     if client is not None:
         return _s3_put(client, loc, data, IfNoneMatch="*")
@@ -66,13 +56,7 @@ def replace(loc: Location, data: bytes, version: str) -> bool:
     """Write `data` over the object at `loc` if it is still at `version`; whether it was written."""
     path = _local(loc)
     if path is not None:
-        with _locked(path):
-            if _local_version(path) != version:
-                return False
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-            return True
+        return storage._within(f"writing {loc}", _local_replace, path, data, version)
     client = _s3(loc)
     if client is not None:
         return _s3_put(client, loc, data, IfMatch=version)
@@ -87,12 +71,7 @@ def delete(loc: Location, version: str) -> bool:
     """Delete the object at `loc` if it is still at `version` (and its lock file beside it); whether it was."""
     path = _local(loc)
     if path is not None:
-        with _locked(path):
-            if _local_version(path) != version:
-                return False
-            path.unlink()
-        _lock_file(path).unlink(missing_ok=True)  # nobody needs it once the object is gone
-        return True
+        return storage._within(f"deleting {loc}", _local_delete, path, version)
     client = _s3(loc)
     if client is not None:
         return _s3_delete(client, loc, version)
@@ -113,6 +92,39 @@ def _local(loc: Location) -> Path | None:
     tests replace to send trainers through the object-store path)."""
     filesystem, path = storage._fs(loc)
     return Path(path) if isinstance(filesystem.raw, storage._local_fs()) else None
+
+
+def _local_create(path: Path, data: bytes) -> bool:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+
+def _local_replace(path: Path, data: bytes, version: str) -> bool:
+    with _locked(path):
+        if _local_version(path) != version:
+            return False
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return True
+
+
+def _local_delete(path: Path, version: str) -> bool:
+    with _locked(path):
+        if _local_version(path) != version:
+            return False
+        path.unlink()
+    _lock_file(path).unlink(missing_ok=True)  # nobody needs it once the object is gone
+    return True
 
 
 def _lock_file(path: Path) -> Path:
