@@ -27,7 +27,6 @@ it (`reconcile`); the run's lease (`orchestrator/lease.py`) keeps a second write
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import secrets
@@ -143,7 +142,7 @@ def fetch_run(place: Location, run_dir: Path) -> Location:
     if holds_run(run_dir) or (run_dir.is_dir() and any(run_dir.iterdir())):
         raise RunDirError(f"{run_dir}: not empty; give a new directory for the run fetched from {place} with --run-dir, "
                           "or resume the run directory itself")
-    _sweep_unfinished(run_dir)
+    _sweep_unfinished(run_dir.parent, f".{run_dir.name}")
     made = [p for p in reversed(run_dir.parents) if not p.exists()]
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     aside = run_dir.parent / f".{run_dir.name}{FETCHING}{os.getpid()}-{secrets.token_hex(4)}"
@@ -180,9 +179,10 @@ FETCHING = ".fetch-"
 """In the name of the hidden directory a fetch writes into (`.RUN_NAME.fetch-PID-RANDOM`) before it is renamed."""
 
 
-def _sweep_unfinished(run_dir: Path) -> None:
-    """Remove the hidden directories of fetches into `run_dir` whose process is gone (killed mid-fetch)."""
-    for path in run_dir.parent.glob(f".{run_dir.name}{FETCHING}*") if run_dir.parent.is_dir() else []:
+def _sweep_unfinished(folder: Path, prefix: str) -> None:
+    """Remove the hidden directories (`PREFIX.fetch-PID-*` in `folder`) of fetches whose process is gone (killed
+    mid-fetch)."""
+    for path in folder.glob(f"{prefix}{FETCHING}*") if folder.is_dir() else []:
         pid = path.name.rsplit(FETCHING, 1)[1].split("-", 1)[0]
         if pid.isdigit() and not storage._alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
@@ -281,6 +281,7 @@ def reconcile(log: RunLog, checkpoint: Location) -> str | None:
     state = read_checkpoint_state(checkpoint)
     if f"{RUN}/config.yaml" not in state["manifest"] or holds_records(log.dir, state):
         return None
+    _sweep_unfinished(log.dir, "")
     aside = log.dir / f"{FETCHING}{os.getpid()}-{secrets.token_hex(4)}"
     try:
         aside.mkdir()
