@@ -24,7 +24,7 @@ from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, make_ru
 from protocols.config import validate_config
 from tests.envs import config
 from tests.errors_doc import assert_documented, assert_quoted
-from tests.runs import MARSI, marsi, rows, without_times, write
+from tests.runs import MARSI, claim_at_once, marsi, rows, without_times, write
 
 def last_line(out) -> str:
     """The last line a marsi subprocess wrote to stderr: its error."""
@@ -429,21 +429,7 @@ def test_two_runs_that_claim_one_place_at_once_get_one_owner(tmp_path):
     store = f"file://{tmp_path}/store"
     for attempt in range(10):
         logs = [RunLog(tmp_path / f"{who}-{attempt}" / "run", storage=store) for who in ("one", "two")]
-        barrier, outcome = threading.Barrier(2), {}
-
-        def claim(log):
-            barrier.wait()
-            try:
-                log.claim(resume=False)
-                outcome[log.dir] = "claimed"
-            except Exception as exc:
-                outcome[log.dir] = str(exc)
-
-        threads = [threading.Thread(target=claim, args=(log,)) for log in logs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        outcome = claim_at_once(logs)
         assert sorted(v == "claimed" for v in outcome.values()) == [False, True], outcome
         assert all("is held by another marsi" in v for v in outcome.values() if v != "claimed")
         for log in logs:

@@ -200,34 +200,19 @@ def test_the_runs_lease_in_s3_goes_to_one_of_two_writers_and_back(tmp_path, s3, 
     """The lease is taken with S3's conditional put (If-None-Match: *): of two coordinators claiming one place in the
     same instant exactly one gets it; its heartbeat is a put If-Match its ETag, so a lease another marsi wrote over
     is found lost; a released lease leaves no key."""
-    import threading
-
     import boto3
 
     from orchestrator.runlog import RunLog
+    from tests.runs import claim_at_once
 
     monkeypatch.setattr(storage, "deadline_s", 120.0)  # as a run sets it (train.storage_timeout_s); tests before set 2
     store = f"s3://{BUCKET}/leased"
     for attempt in range(5):
         logs = [RunLog(tmp_path / f"{who}-{attempt}" / "run", storage=store) for who in ("one", "two")]
-        barrier, outcome = threading.Barrier(2), {}
-
-        def claim(log):
-            barrier.wait()
-            try:
-                log.claim(resume=False)
-                outcome[log.dir.parent.name] = "claimed"
-            except Exception as exc:
-                outcome[log.dir.parent.name] = str(exc)
-
-        threads = [threading.Thread(target=claim, args=(log,)) for log in logs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        outcome = claim_at_once(logs)
         assert sorted(v == "claimed" for v in outcome.values()) == [False, True], outcome
         assert all("is held by another marsi" in v for v in outcome.values() if v != "claimed")
-        holder = next(log for log in logs if outcome[log.dir.parent.name] == "claimed")
+        holder = next(log for log in logs if outcome[log] == "claimed")
         holder.lease.confirm()  # a heartbeat: the conditional put on the ETag it wrote
         if attempt == 0:
             boto3.client("s3", endpoint_url=s3).put_object(Bucket=BUCKET, Key="leased/run/lease.json", Body=b"{}")
