@@ -28,6 +28,7 @@ from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool, Tr
 from agent_trainer.group import bundle_of, fit_problem, local_cluster_problem
 from protocols.config import RayConfig, RunConfig, critic_members, host_resources, joins_cluster, member_layout
 from protocols.errors import describe, one_line
+from protocols.messages import ForwardedEnv
 
 
 # Ray logs this on every start of a local cluster (and on joining one when a token file exists): a notice that
@@ -141,7 +142,9 @@ class _TrainerActor:
     """Holds one host (`agent_trainer.hosts.Host`): its agents' trainers; Ray pins it to its bundle, and
     CUDA_VISIBLE_DEVICES to its GPU."""
 
-    def __init__(self, host, config, updates, threads):
+    def __init__(self, host, config, updates, threads, forwarded: ForwardedEnv | None = None):
+        if forwarded is not None:
+            forwarded.apply()  # before anything reads the environment (the store's client, the model hub's)
         started = time.perf_counter()
         import torch
 
@@ -204,16 +207,23 @@ def actor_extras(r, runtime_env: dict[str, Any] | None) -> dict[str, Any]:
     return extras
 
 
-def trainer_env(config: RayConfig, environ: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """The runtime_env of every trainer: `ray.env_vars`, and the `ray.forward_env` variables as this process has
-    them (a name it lacks is a PlacementError naming it)."""
+def trainer_env(config: RayConfig) -> dict[str, Any] | None:
+    """The runtime_env of every trainer: `ray.env_vars` (recorded like every setting, so no secrets). The
+    `ray.forward_env` variables do not go here: Ray's runtime_env agent writes what it is given to its log, which
+    outlives the run (`forwarded_env`)."""
+    return {"env_vars": dict(config.env_vars)} if config.env_vars else None
+
+
+def forwarded_env(config: RayConfig, environ: dict[str, str] | None = None) -> ForwardedEnv:
+    """The `ray.forward_env` variables as this process has them (a name it lacks is a PlacementError naming it), for
+    every trainer's constructor, which sets them in its process before anything else: they travel inside Ray's
+    call, and no log or file records them."""
     environ = os.environ if environ is None else environ
     missing = [name for name in config.forward_env if name not in environ]
     if missing:
         raise PlacementError(f"ray.forward_env: {', '.join(missing)} not set in this process's environment; set "
                              "them in the shell that runs marsi, or remove them from ray.forward_env")
-    env = {**config.env_vars, **{name: environ[name] for name in config.forward_env}}
-    return {"env_vars": env} if env else None
+    return ForwardedEnv(values={name: environ[name] for name in config.forward_env})  # set after env_vars: they win
 
 
 def placement_plan(resources: dict[str, Any], strategy: str) -> list[tuple[str, list[str]]]:
@@ -290,7 +300,7 @@ class RayTrainers(TrainerPool):
         self.agents = [*config.agents, *critic_members(config)]
         self.call_timeout, self.checkpoint_timeout = config.train.call_timeout_s, config.train.checkpoint_timeout_s
         resources = host_resources(config)  # a host's agents share it; a critic's own host asks its own
-        runtime_env = trainer_env(config.ray)
+        runtime_env, forwarded = trainer_env(config.ray), forwarded_env(config.ray)
         plan = placement_plan(resources, config.ray.placement_strategy)
         requests = [group_request(resources, hosts) for _, hosts in plan]
         apart = {a: spec.rollout.resources or spec.resources for a, spec in config.agents.items()
@@ -324,7 +334,7 @@ class RayTrainers(TrainerPool):
                         num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
                         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group_of_hosts,
                                                                              placement_group_bundle_index=bundle),
-                    ).remote(host, config, updates, num_threads(r.num_cpus)))
+                    ).remote(host, config, updates, num_threads(r.num_cpus), forwarded))
                     bundle += 1
                 self.workers.update(dict.fromkeys(layout[host], workers))
         self.engines = {}  # agent -> its rollout engine's actor (rollout.placement: separate)
@@ -333,7 +343,7 @@ class RayTrainers(TrainerPool):
                 num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.groups[-1],
                                                                      placement_group_bundle_index=bundle),
-            ).remote(agent, engine_config(config, agent), updates, num_threads(r.num_cpus))
+            ).remote(agent, engine_config(config, agent), updates, num_threads(r.num_cpus), forwarded)
         self.engines_apart = set(self.engines)
         self.published: dict[str, dict[int, Any]] = {a: {} for a in self.engines}  # version -> weights' object ref
         self.engine_version: dict[str, int | None] = dict.fromkeys(self.engines)

@@ -24,6 +24,10 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+TAKE_OVER = ("with train.storage: take over the run's lease from a marsi that is gone (no heartbeat for 300 s); a "
+             "holder on this machine whose process is gone is taken over without it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `marsi` argument parser; `--debug` is accepted before or after the subcommand."""
     parser = Parser(prog="marsi", description="Train several LLM agents together with RL.")
@@ -37,12 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="the run's YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted.key=value applied on top of the file, e.g. train.steps=5")
     p.add_argument("--run-dir", help="run directory (default: train.run_dir)")
+    p.add_argument("--take-over", action="store_true", help=TAKE_OVER)
     p = sub.add_parser("resume", parents=[common], help="continue a run from its newest checkpoint")
     p.add_argument("run_dir", help="the run directory to continue, or the run's place in train.storage "
                    "(STORAGE/RUN_NAME), which holds the whole run")
     p.add_argument("overrides", nargs="*", help="change the stored config, e.g. train.steps=400 to extend the run")
     p.add_argument("--run-dir", dest="fetch_to", help="with a place in storage: the (new or empty) run directory to "
                    "fetch the run into and go on in (default: runs/RUN_NAME)")
+    p.add_argument("--take-over", action="store_true", help=TAKE_OVER)
     p = sub.add_parser("validate", parents=[common],
                        help="check a config; print the schedule and role assignment of the first steps")
     p.add_argument("config", help="the YAML config file to check")
@@ -58,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (or runs' places in "
                        "train.storage, STORAGE/RUN_NAME), overlaid in the curves")
         p.add_argument("--out", help=out)
+        if name == "report":
+            p.add_argument("--force", action="store_true", help="let --out replace a file that is not a report marsi "
+                           "wrote (a run's record, say)")
         p.add_argument("--smoothing", type=_smoothing, default=None,
                        help="weight of the moving average drawn over the raw reward, in [0, 1) (default: 0.6)")
         if name == "report":
@@ -123,7 +132,7 @@ def cmd_run(args) -> int:
     with StopOnSignal("nothing was trained and no run directory is left") as stop:
         run_dir = Path(args.run_dir) if args.run_dir else make_run_dir(config.train.run_dir, Path(args.config).stem)
         try:
-            coord = Coordinator(config, run_dir)
+            coord = Coordinator(config, run_dir, take_over=args.take_over)
         except BaseException:
             if not args.run_dir:
                 with contextlib.suppress(OSError):
@@ -134,28 +143,27 @@ def cmd_run(args) -> int:
 
 def cmd_resume(args) -> int:
     from orchestrator import runstore
-    from orchestrator.coordinator import Coordinator, check_resume, fetched_run_dir
+    from orchestrator.coordinator import Coordinator, check_resume
     from orchestrator.runlog import RunLog
 
-    target = args.run_dir
-    if runstore.is_place(target):  # the whole run is in the store: fetch its run directory, then go on there
-        place = runstore.as_place(target)
-        run_dir = Path(args.fetch_to) if args.fetch_to else fetched_run_dir(place)
-        checkpoint = runstore.fetch_run(place, run_dir)
-        print(f"marsi: fetched the run at {place} ({checkpoint.name}) into {run_dir}", file=sys.stderr)
-        args.run_dir = str(run_dir)
-    elif args.fetch_to:
-        raise UserError(f"--run-dir {args.fetch_to}: only with a run's place in storage; {target} is a run directory")
-    stored = Path(args.run_dir) / "config.yaml"
-    config, log = load_config(stored, args.overrides), RunLog(args.run_dir)
-    check_resume(config, load_config(stored, check_imports=False), log)
-    if log.steps_done() == config.train.steps:
-        print(f"marsi: {args.run_dir} has done all its {config.train.steps} steps; to go on, give more: "
-              f"marsi resume {args.run_dir} train.steps=N", file=sys.stderr)
-        return 0
+    if args.fetch_to and not runstore.is_place(args.run_dir):
+        raise UserError(f"--run-dir {args.fetch_to}: only with a run's place in storage; {args.run_dir} is a run directory")
     with StopOnSignal(f"the run is as it was; continue with: marsi resume {args.run_dir}") as stop:
-        coord = Coordinator.resume(args.run_dir, args.overrides)
-        print(f"marsi: resuming {args.run_dir} at step {coord.state.step}", file=sys.stderr)
+        # a run's place in the store: fetched into a run directory (brought up to the store where it is one already);
+        # a resume refused or stopped before it starts leaves no directory it fetched
+        with runstore.resumable(args.run_dir, args.fetch_to, take_over=args.take_over) as (run_dir, checkpoint):
+            if checkpoint is not None:
+                print(f"marsi: fetched the run at {runstore.as_place(args.run_dir)} ({checkpoint.name}) into {run_dir}",
+                      file=sys.stderr)
+            stored = run_dir / "config.yaml"
+            config, log = load_config(stored, args.overrides), RunLog(run_dir)
+            check_resume(config, load_config(stored, check_imports=False), log)
+            if log.steps_done() == config.train.steps:
+                print(f"marsi: {run_dir} has done all its {config.train.steps} steps; to go on, give more: "
+                      f"marsi resume {run_dir} train.steps=N", file=sys.stderr)
+                return 0
+            coord = Coordinator.resume(run_dir, args.overrides, take_over=args.take_over)
+        print(f"marsi: resuming {run_dir} at step {coord.state.step}", file=sys.stderr)
         return _train(coord, stop, new=False)
 
 
@@ -504,12 +512,15 @@ def _run_views(targets: list[str]):
 def cmd_report(args) -> int:
     from orchestrator.plot import SMOOTHING
     from orchestrator.report import report
+    from orchestrator.runfiles import check_output
     from orchestrator.transcripts import MAX_MB
 
+    if args.out:
+        check_output(Path(args.out), force=args.force)  # before a run is fetched from its store
     with _run_views(args.run_dirs) as run_dirs:
         out = args.out or (None if run_dirs[0] == Path(args.run_dirs[0]) else "report.html")  # a place in storage: here
         print(report(run_dirs, out, SMOOTHING if args.smoothing is None else args.smoothing,
-                     MAX_MB if args.max_mb is None else args.max_mb))
+                     MAX_MB if args.max_mb is None else args.max_mb, force=args.force))
     return 0
 
 

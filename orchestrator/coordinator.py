@@ -73,9 +73,11 @@ class Coordinator:
     Attributes a custom loop reads: `step` (steps done), `restored_from` (the checkpoint `restore` loaded,
     or None), `loop_state` (its own JSON state, saved by `checkpoint` and given back by `restore`)."""
 
-    def __init__(self, config: RunConfig, run_dir: str | Path | None = None, *, resume: bool = False):
+    def __init__(self, config: RunConfig, run_dir: str | Path | None = None, *, resume: bool = False,
+                 take_over: bool = False):
+        """`take_over`: take over the run's lease in its store from a run that is gone (`orchestrator.lease`)."""
         self.config = config
-        self.resuming = resume
+        self.resuming, self.take_over = resume, take_over
         storage.set_deadline(config.train.storage_timeout_s)  # every call to the store from this process
         self.schedule = Schedule(config.schedule, list(config.agents))
         self.lag, self.lag_note = planned_lag(config, self.schedule)
@@ -130,7 +132,7 @@ class Coordinator:
         if self.pool is not None:
             return
         if self.log is not None:
-            self.log.claim(resume=self.resuming)
+            self.log.claim(resume=self.resuming, take_over=self.take_over)
         began = time.perf_counter()
         try:
             if self.config.ray.enabled:
@@ -245,31 +247,28 @@ class Coordinator:
 
     @classmethod
     def resume(cls, run_dir: str | Path, overrides: list[str] | None = None, *,
-               fetch_to: str | Path | None = None) -> Coordinator:
+               fetch_to: str | Path | None = None, take_over: bool = False) -> Coordinator:
         """A started coordinator for `run_dir`, restored from its newest intact checkpoint.
         `overrides` (dotted.key=value) change the stored config, e.g. `train.steps=200` to extend a run;
         they are checked against the checkpoint first and written to config.yaml only once it is restored.
         `run_dir` may be the run's place in its store (`STORAGE/RUN_NAME`, a URI): the run directory is then
-        fetched from there into `fetch_to` (new or empty; default `fetched_run_dir`) and the run goes on there."""
-        if runstore.is_place(run_dir):
-            place = runstore.as_place(run_dir)
-            run_dir = Path(fetch_to) if fetch_to is not None else fetched_run_dir(place)
-            runstore.fetch_run(place, run_dir)
-        run_dir = Path(run_dir)
-        config = load_config(run_dir / "config.yaml", overrides)
-        check_resume(config, load_config(run_dir / "config.yaml", check_imports=False), RunLog(run_dir))
-        coord = cls(config, run_dir, resume=True)  # its RunLog finds checkpoints where config.yaml says
-        coord.start()
-        try:
-            if coord.restored_from is None:  # else a restart while starting restored it already
-                try:
-                    coord.restore()
-                except TrainerFailure as failure:
-                    coord.recover(failure)
-            coord.log.write_config(config)
-        except BaseException:
-            coord.close()
-            raise
+        fetched from there into `fetch_to` (new or empty; default `runstore.fetched_run_dir`) and the run goes on
+        there; a run directory older than its store is brought up to it first (`runstore.resumable`)."""
+        with runstore.resumable(run_dir, fetch_to, take_over=take_over) as (run_dir, _):
+            config = load_config(run_dir / "config.yaml", overrides)
+            check_resume(config, load_config(run_dir / "config.yaml", check_imports=False), RunLog(run_dir))
+            coord = cls(config, run_dir, resume=True, take_over=take_over)  # its RunLog finds checkpoints where config.yaml says
+            coord.start()
+            try:
+                if coord.restored_from is None:  # else a restart while starting restored it already
+                    try:
+                        coord.restore()
+                    except TrainerFailure as failure:
+                        coord.recover(failure)
+                coord.log.write_config(config)
+            except BaseException:
+                coord.close()
+                raise
         return coord
 
     @property
@@ -428,7 +427,7 @@ class Coordinator:
         if not candidates:
             raise FileNotFoundError(no_checkpoint(self.log))
         for i, candidate in enumerate(candidates):
-            problem = checkpoint_problem(candidate)
+            problem = checkpoint_problem(candidate) or runstore.reconcile(self.log, candidate)  # records: run/ in it
             if problem is None:
                 problem = self._load_trainers(candidate)
             if problem is None:
@@ -630,12 +629,6 @@ def no_checkpoint(log: RunLog) -> str:
         "; the run's place in storage is named after its run directory when it began, so a renamed run directory "
         "looks under its new name: resume the place itself, marsi resume STORAGE/RUN_NAME")
     return f"{log.dir}: no complete checkpoint to resume from{where}; start the run anew with marsi run{renamed}"
-
-
-def fetched_run_dir(place: Location) -> Path:
-    """Where `marsi resume STORAGE/RUN_NAME` puts the run directory it fetches: `runs/RUN_NAME` (below the
-    current directory)."""
-    return Path("runs") / place.name
 
 
 class ResumeError(UserError, ValueError):

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.runlog import read_jsonl
+from orchestrator.runfiles import read_records
 
 SMOOTHING = 0.6
 """Default weight of the exponential moving average drawn over the raw reward."""
@@ -291,7 +291,7 @@ def read_runs(run_dirs: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
     runs = {}
     names = [Path(d).name for d in run_dirs]
     for run_dir, name in zip(run_dirs, names):
-        rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+        rows = read_records(Path(run_dir), "metrics.jsonl")  # a regular file inside the run directory only
         if not rows:
             raise FileNotFoundError(f"{run_dir}: no metrics.jsonl rows to plot; is this a run directory?")
         runs[name if names.count(name) == 1 else str(run_dir)] = rows

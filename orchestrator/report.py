@@ -19,6 +19,10 @@ fetched. Sections:
   fragment is ignored). At most `max_mb` of episodes are inlined (`orchestrator.transcripts`: the most recent
   and a spread of the older ones, the rest counted on the page); a malformed record is skipped and counted;
 - each run's config.yaml and the environment's source (RUN_DIR/source/).
+
+Only regular files inside a run directory are read (`orchestrator/runfiles.py`): a link, or anything else, in place
+of a record or a source file is listed as skipped, never followed. `--out` never replaces a file that is not a report
+marsi wrote unless `--force` is given.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from __future__ import annotations
 import html
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from orchestrator.plot import CONFIDENCE, SMOOTHING, Panel, flat_notes, panels, read_runs
-from orchestrator.runlog import read_jsonl
+from orchestrator.runfiles import check_output, listing, read_records, read_text, skipped, write_output
+from orchestrator.runlog import EVAL_TRANSCRIPTS, TRANSCRIPTS
 from orchestrator.transcripts import MAX_MB, Inlined, inlined
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -83,10 +89,10 @@ def evaluation_rows(run_dir: Path) -> list[dict[str, Any]]:
     """Every evaluation of a run: the run's own (`eval/` keys of metrics.jsonl; step 0 is the initial weights)
     and `marsi eval`'s (eval.jsonl, by checkpoint), each as {when, setting, metrics: {name: (mean, 95% +-)}}."""
     out = []
-    for row in read_jsonl(run_dir / "metrics.jsonl"):
+    for row in read_records(run_dir, "metrics.jsonl"):
         if "eval/reward/mean" in row:
             out += _settings(f"step {row['step']}" + (" (initial)" if row["step"] == 0 else ""), row, "eval/")
-    for row in read_jsonl(run_dir / "eval.jsonl"):
+    for row in read_records(run_dir, "eval.jsonl"):
         out += _settings(f"marsi eval: {row.get('checkpoint', row['step'])}", row, "eval/")
     return out
 
@@ -159,27 +165,44 @@ def _json_script(element_id: str, value: Any) -> str:
     return f'<script type="application/json" id="{element_id}">{text}</script>'
 
 
+READ = ["config.yaml", "metrics.jsonl", "eval.jsonl", TRANSCRIPTS, EVAL_TRANSCRIPTS, "source"]
+"""What the report reads of a run directory (and each file in source/)."""
+
+
+def passed_over(run_dir: Path) -> list[str]:
+    """What the report does not read of `run_dir` because it is not a regular file inside it (a link, ...)."""
+    sources = [f"source/{name}" for name in listing(run_dir, "source")]
+    return skipped(run_dir, [name for name in READ if name != "source"] + sources) + (
+        ["source (a link)"] if (run_dir / "source").is_symlink() else [])
+
+
 def _sources(run_dir: Path) -> str:
     parts = []
-    config = run_dir / "config.yaml"
-    if config.exists():
-        parts.append(f"<details open><summary>config.yaml</summary><pre>{html.escape(config.read_text())}</pre></details>")
-    for path in sorted((run_dir / "source").glob("*")) if (run_dir / "source").is_dir() else []:
-        if path.is_file():
-            parts.append(f"<details><summary>source/{html.escape(path.name)}</summary>"
-                         f"<pre>{html.escape(path.read_text(errors='replace'))}</pre></details>")
+    config = read_text(run_dir, "config.yaml")
+    if config is not None:
+        parts.append(f"<details open><summary>config.yaml</summary><pre>{html.escape(config)}</pre></details>")
+    for name in listing(run_dir, "source"):
+        text = read_text(run_dir, f"source/{name}")
+        if text is not None:
+            parts.append(f"<details><summary>source/{html.escape(name)}</summary><pre>{html.escape(text)}</pre></details>")
+    passed = passed_over(run_dir)
+    if passed:
+        parts.append("<p class=note>Skipped, not regular files inside the run directory (never followed): "
+                     f"{html.escape(', '.join(passed))}</p>")
     return "".join(parts) or "<p class=note>No config.yaml in this run directory.</p>"
 
 
 def report(run_dirs: str | Path | list[str | Path], out: str | Path | None = None,
-           smoothing: float = SMOOTHING, max_mb: float = MAX_MB) -> Path:
+           smoothing: float = SMOOTHING, max_mb: float = MAX_MB, *, force: bool = False) -> Path:
     """Write the HTML report of `run_dirs` to `out` (default: the first run's report.html), inlining at most
-    `max_mb` of their episodes (`orchestrator.transcripts`); returns its path."""
+    `max_mb` of their episodes (`orchestrator.transcripts`); returns its path. A file at `out` that is not a report
+    marsi wrote is replaced only with `force` (`runfiles.write_output`)."""
     from plotly.offline import get_plotlyjs
 
     run_dirs = [Path(d) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]
     runs = read_runs(run_dirs)
     out = Path(out) if out is not None else run_dirs[0] / "report.html"
+    check_output(out, force=force)  # before anything is read
     charts = "".join(f"<div class=chart>{chart(p)}</div>" for p in panels(runs, smoothing))
     names = list(runs)
     evals = "".join(f"<h3>{html.escape(n)}</h3>{evaluation_table(evaluation_rows(d))}" if len(names) > 1
@@ -192,9 +215,12 @@ def report(run_dirs: str | Path | list[str | Path], out: str | Path | None = Non
                        flat=_flat(flat_notes(runs)), held=_held(found, max_mb),
                        data=_json_script("episodes", found.episodes), script=SCRIPT, sources=sources,
                        made=time.strftime("%Y-%m-%d %H:%M:%S"), smoothing=f"{smoothing:g}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page)
-    return out
+    for d in run_dirs:
+        passed = passed_over(d)
+        if passed:
+            print(f"marsi: {d}: skipped {', '.join(passed)}: the report reads only regular files inside a run "
+                  "directory", file=sys.stderr, flush=True)
+    return write_output(out, page, force=force)
 
 
 STYLE = """

@@ -5,12 +5,13 @@
     RUN_DIR/transcripts.jsonl    a sample of whole episodes per step (train.transcripts_per_step)
     RUN_DIR/eval_transcripts.jsonl   the first episodes of each evaluation (eval.transcripts)
     RUN_DIR/source/              the environment's and data factory's source files
-    RUN_DIR/tensorboard/, wandb/ the loggers' files (logging.tensorboard, logging.wandb_project)
+    RUN_DIR/tensorboard/, wandb/ the loggers' files (logging.tensorboard, logging.wandb_project: orchestrator/loggers.py)
     RUN_DIR/checkpoints/step-000010/{agents/NAME/, coordinator.json}
     RUN_DIR/.lock                held (flock) by the one live process writing the run
 
 A run directory belongs to one run: a new run refuses a directory that holds one, and a lock keeps a
-second live process out. Files are never rewritten in place: a cut-back file is written beside the
+second live process out; with `train.storage`, the run's lease in the store (`orchestrator/lease.py`) keeps out a
+second writer on any machine. Files are never rewritten in place: a cut-back file is written beside the
 old one and renamed over it. `coordinator.json` is written last and carries a checksum (and size) of
 every other file of its checkpoint, as the trainers that wrote them reported, and of itself.
 
@@ -33,18 +34,19 @@ import fcntl
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import IO, Any, ClassVar, Iterator
 
 import yaml
 
 from agent_trainer import storage
 from agent_trainer.storage import StorageError
+from orchestrator.lease import Lease
+from orchestrator.loggers import Logger, missing_extra, open_loggers
 from protocols.config import LoggingConfig, RunConfig
 from protocols.errors import UserError
 from protocols.messages import Location
@@ -108,6 +110,24 @@ def make_run_dir(template: str, name: str) -> Path:
     raise RunDirError(f"{base}: 10,000 run directories of this name exist; set train.run_dir or --run-dir")
 
 
+def lock_dir(run_dir: Path):
+    """Hold the run directory's lock (`RUN_DIR/.lock`, an flock that a killed process drops too): the open file, to
+    close to release it; RunDirError naming the holder when another live process has it."""
+    lock = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise RunDirError(f"{run_dir}: in use by {holder}; wait for it to end or stop it first") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"marsi pid {os.getpid()}")
+    lock.flush()
+    return lock
+
+
 def holds_run(path: Path) -> bool:
     return any((path / name).exists() for name in ("config.yaml", "metrics.jsonl", "checkpoints"))
 
@@ -122,15 +142,17 @@ class RunLog:
         self.storage = storage if storage is not None else recorded_storage(self.dir)
         self._place = recorded_place(self.dir) if self.storage is not None else None
         self.loggers: list[Logger] = []  # TensorBoard, W&B: opened by claim()
+        self.lease: Lease | None = None  # with train.storage: this process's lease of the run's place, from claim()
         self._lock = None
         self._full: set[str] = set()  # transcript files that reached train.transcripts_max_mb
         self._unreachable = False  # a call to the store timed out at claim: no cleanup there
         self._made_root = False  # train.storage did not exist before this run made it (removed again if left empty)
 
     # ------------------------------------------------------------------------------------ claim
-    def claim(self, *, resume: bool) -> None:
+    def claim(self, *, resume: bool, take_over: bool = False) -> None:
         """Become the one writer of this directory: a new run needs a directory that holds no run, a
-        resumed one a directory that does; either way no other live process may hold it."""
+        resumed one a directory that does; either way no other live process may hold it, and with train.storage
+        no other marsi the run's lease (`take_over`: take over a stale one)."""
         if resume and not holds_run(self.dir):
             raise RunDirError(f"{self.dir}: holds no run to resume (no config.yaml); start one with marsi run")
         if not resume and holds_run(self.dir):
@@ -138,32 +160,25 @@ class RunLog:
                               "(or give a new --run-dir)")
         missing_extra(self.logging)
         self.dir.mkdir(parents=True, exist_ok=True)
-        lock = open(self.dir / ".lock", "a+")
+        self._lock = lock_dir(self.dir)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "another process"
-            lock.close()
-            raise RunDirError(f"{self.dir}: in use by {holder}; wait for it to end or stop it first") from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"marsi pid {os.getpid()}")
-        lock.flush()
-        self._lock = lock
-        try:
-            self._claim_storage(resume)
+            self._claim_storage(resume, take_over)
             self.loggers = open_loggers(self.logging, self.dir)
         except BaseException:
             self.release()
             raise
 
-    def _claim_storage(self, resume: bool) -> None:
-        """A new run's place in the store must hold no other run's checkpoints (in the run directory, which
-        holds no run, it holds none); it is made now, so an unreachable store fails before any trainer starts."""
+    def _claim_storage(self, resume: bool, take_over: bool) -> None:
+        """Take the run's lease (train.storage); a new run's place in the store must hold no other run's checkpoints
+        (in the run directory, which holds no run, it holds none); it is made now, so an unreachable store fails
+        before any trainer starts."""
         root = self.checkpoint_dir()
         try:
             self._made_root = self.storage is not None and not resume and not storage.exists(Location.parse(self.storage))
+            if self.storage is not None:
+                lease = Lease(root.parent)
+                lease.take(take_over=take_over)
+                self.lease = lease
             if not resume and self.checkpoints():
                 raise RunDirError(f"train.storage: {root} already holds checkpoints of a run named {self.dir.resolve().name}; "
                                   f"continue that run with: marsi resume {root.parent}; or give a new --run-dir (its name "
@@ -179,6 +194,16 @@ class RunLog:
         if not resume and self.storage is not None:
             self._place = root.parent
             (self.dir / STORE_RECORD).write_text(json.dumps({"place": str(self._place)}) + "\n")
+
+    def owns_place(self) -> bool:
+        """Whether this process may change the run's place in the store: it holds the run's lease (train.storage),
+        or the run has its checkpoints in its run directory, which its lock keeps."""
+        return self.storage is None or (self.lease is not None and self.lease.held)
+
+    def _confirm_lease(self) -> None:
+        """Before anything of a checkpoint is written or committed: LeaseLost unless this process holds the lease."""
+        if self.lease is not None:
+            self.lease.confirm()
 
     def _remove_empty_place(self) -> None:
         """Remove the run's place in the store (the run directory, or STORAGE/RUN_NAME), made at claim, if it
@@ -198,14 +223,25 @@ class RunLog:
         if self._lock is None:
             return
         self._close_loggers()
+        owned = self._release_lease()
         if self.dir.is_dir() and {p.name for p in self.dir.iterdir()} <= {".lock", "checkpoints", STORE_RECORD}:
             (self.dir / ".lock").unlink(missing_ok=True)
             (self.dir / STORE_RECORD).unlink(missing_ok=True)
-            self._remove_empty_place()
+            if owned:
+                self._remove_empty_place()
             with contextlib.suppress(OSError):
                 self.dir.rmdir()
         self._lock.close()  # closing the file drops the flock; a killed process drops it too
         self._lock = None
+
+    def _release_lease(self) -> bool:
+        """Give up the run's lease (deleted from the store, so that the place may be empty); whether this process
+        owned the place until now."""
+        owned = self.owns_place()
+        if self.lease is not None:
+            with contextlib.suppress(OSError, StorageError):
+                self.lease.release()
+        return owned
 
     def _close_loggers(self) -> None:
         loggers, self.loggers = self.loggers, []
@@ -291,10 +327,11 @@ class RunLog:
             (self.dir / name).unlink(missing_ok=True)
         for name in ("source", "tensorboard", "wandb"):
             shutil.rmtree(self.dir / name, ignore_errors=True)
-        with contextlib.suppress(OSError, StorageError):  # its checkpoints (a new run found their place empty)
-            if not self._unreachable:
-                storage.delete(self.checkpoint_dir())
-        self._remove_empty_place()
+        if self._release_lease():  # nothing of the store is touched where another marsi holds the run's lease
+            with contextlib.suppress(OSError, StorageError):  # its checkpoints (a new run found their place empty)
+                if not self._unreachable:
+                    storage.delete(self.checkpoint_dir())
+            self._remove_empty_place()
         with contextlib.suppress(OSError):
             self.dir.rmdir()  # only if nothing else is in it
         return True
@@ -366,12 +403,16 @@ class RunLog:
 
     def staging_path(self, step: int) -> Location:
         """Where to write the checkpoint of `step`: its own place in the store, emptied (its commit record first)."""
+        self._confirm_lease()
         place = self.checkpoint_dir() / str(CheckpointName(step))
         storage.delete(place, first=CHECKPOINT_DONE)
         return place
 
     def abort_checkpoint(self, staging: Location) -> None:
-        """Remove a checkpoint that will not be committed (it only takes space), its commit record first."""
+        """Remove a checkpoint that will not be committed (it only takes space), its commit record first; nothing
+        where this process no longer holds the run's lease."""
+        if not self.owns_place():
+            return
         with contextlib.suppress(OSError, StorageError):
             storage.delete(staging, first=CHECKPOINT_DONE)
 
@@ -390,6 +431,7 @@ class RunLog:
                                    "checkpoint storage (train.storage)")
         record = {**state, "manifest": {name: digest for name, (digest, _) in files.items()},
                   "sizes": {name: size for name, (_, size) in files.items()}}
+        self._confirm_lease()
         storage.commit_bytes(staging / CHECKPOINT_DONE, json.dumps({**record, "sha256": _digest(record)}).encode())
         for old in self.checkpoints()[:-keep]:
             self.abort_checkpoint(old)
@@ -495,12 +537,16 @@ def checkpoint_problem(path: Location) -> str | None:
     except OSError as exc:
         return f"its files cannot be listed ({' '.join(str(exc).split())})"
     for name in state["manifest"]:
+        if not _inside(name):
+            return f"its manifest names {name!r}, a path outside the checkpoint"
         if name not in present:
             return f"{name} is missing"
         recorded = state.get("sizes", {}).get(name)
         if recorded is not None and present[name] != recorded:
             return f"{name} does not match its checksum (it is {present[name]} bytes, not {recorded})"
     for name, segments in state.get("records", {}).items():  # the transcripts' segments, beside the checkpoints
+        if name not in (TRANSCRIPTS, EVAL_TRANSCRIPTS) or not all(_is_digest(digest) for digest, _ in segments):
+            return f"its records name {name!r}, which is not a transcripts file of the run's segments"
         try:
             stored = storage.file_sizes(path.parent.parent / SEGMENTS / name)
         except OSError as exc:
@@ -509,6 +555,16 @@ def checkpoint_problem(path: Location) -> str | None:
             if stored.get(digest) != size:
                 return f"{SEGMENTS}/{name}/{digest} is {'missing' if digest not in stored else 'cut short'}"
     return None
+
+
+def _inside(name: str) -> bool:
+    """Whether a manifest's relative name stays inside its checkpoint (a store shared with others may hold a crafted
+    `coordinator.json`: its names become paths where the files are downloaded)."""
+    return bool(name) and not name.startswith("/") and all(part not in ("", ".", "..") for part in name.split("/"))
+
+
+def _is_digest(text: object) -> bool:
+    return isinstance(text, str) and len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def agent_files(checkpoint: Location, agent: str) -> dict[str, str]:
@@ -538,10 +594,11 @@ def _digest(record: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def _jsonl_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(line, row) of a JSON-lines file. A torn final line (a crash or full disk mid-append) is dropped
-    and reported; a corrupt line elsewhere is a one-line error naming the file and line."""
-    with open(path) as f:
+def _jsonl_lines(path: Path, stream: IO[str] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(line, row) of a JSON-lines file (read from `stream` if given, `path` naming it). A torn final line (a crash or
+    full disk mid-append) is dropped and reported; a corrupt line elsewhere is a one-line error naming the file and
+    line."""
+    with open(path) if stream is None else stream as f:
         for number, line in enumerate(f, 1):
             if not line.endswith("\n"):
                 print(f"marsi: {path}:{number}: dropping a torn last line ({len(line)} characters, cut off "
@@ -558,143 +615,10 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             yield line, row
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
+def read_jsonl(path: Path, stream: IO[str] | None = None) -> list[dict[str, Any]]:
+    if stream is None and not path.exists():
         return []
-    return [row for _, row in _jsonl_lines(path)]
-
-
-class MissingExtra(UserError, ImportError):
-    """The config asks for a logger whose package is not installed."""
-
-
-def missing_extra(logging: LoggingConfig) -> None:
-    """Raise MissingExtra, naming the key and the install command, when a logger the config asks for is not
-    installed; checked before the run directory is made."""
-    import importlib.util
-
-    wanted = []
-    if logging.tensorboard:
-        wanted.append(("logging.tensorboard", "tensorboard", "TensorBoard", "set logging.tensorboard: false"))
-    if logging.wandb_project:
-        wanted.append(("logging.wandb_project", "wandb", "Weights & Biases", "remove logging.wandb_project"))
-    for key, package, name, instead in wanted:
-        if importlib.util.find_spec(package) is None:
-            raise MissingExtra(f"{key} needs {name}, which is not installed; install it with: pip install {package} "
-                               f"(or {instead})")
-
-
-
-# ------------------------------------------------------------------------------------------ loggers
-def scalars(metrics: dict[str, Any]) -> dict[str, float | int]:
-    """The scalar keys of a metrics row (bools as 0/1), `step` left out: what TensorBoard and W&B receive."""
-    return {k: int(v) if isinstance(v, bool) else v for k, v in metrics.items()
-            if k != "step" and isinstance(v, (int, float))}
-
-
-def episode_rows(step: int, transcripts: list[dict[str, Any]]) -> list[list[Any]]:
-    """One row per action of the episodes logged at `step`, in `EPISODE_COLUMNS` order."""
-    return [[step, t["episode"], i, a["agent"], a["role"], a["prompt"], a["completion"], turn["reward"], t["reward"],
-             a["advantage"], a["policy_version"]]
-            for t in transcripts for i, turn in enumerate(t["turns"]) for a in turn["actions"]]
-
-
-EPISODE_COLUMNS = ["step", "episode", "turn", "agent", "role", "prompt", "completion", "reward", "episode_reward",
-                   "advantage", "policy_version"]
-"""The columns of W&B's episode tables: one row per action; `reward` is its turn's, `episode_reward` the episode's."""
-
-
-class Logger:
-    """A metric sink besides metrics.jsonl: every metrics row, the episodes the run saves, closed at the end."""
-
-    def log(self, metrics: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def log_episodes(self, step: int, transcripts: list[dict[str, Any]], *, evaluation: bool) -> None:
-        """Episodes written to transcripts.jsonl (or eval_transcripts.jsonl when `evaluation`); none by default."""
-
-    def truncate_after(self, step: int) -> None:
-        """A resumed run replays the steps after `step`; what was logged for them may be dropped."""
-
-    def close(self) -> None:
-        pass
-
-
-class TensorBoardLogger(Logger):
-    """Every scalar of every metrics row at its step, under RUN_DIR/tensorboard (evaluation rows share their step
-    with the training row: their keys differ). A resume purges the replayed steps' events (`purge_step`)."""
-
-    def __init__(self, run_dir: Path):
-        self.dir = run_dir / "tensorboard"
-        self.writer = self._open(None)
-
-    def _open(self, purge_step: int | None):
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(str(self.dir), purge_step=purge_step)
-
-    def log(self, metrics: dict[str, Any]) -> None:
-        for key, value in scalars(metrics).items():
-            self.writer.add_scalar(key, value, metrics["step"])
-        self.writer.flush()
-
-    def truncate_after(self, step: int) -> None:
-        self.writer.close()
-        self.writer = self._open(step + 1)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class WandbLogger(Logger):
-    """Every scalar of every metrics row, with `step` as the x-axis of every chart (W&B's own `_step` counts
-    log calls: an evaluation row and a resumed run's replayed steps share a step with rows before them); the
-    saved episodes as incremental tables `episodes` and `eval/episodes`, one row per action. The W&B run id
-    is kept in RUN_DIR/wandb/run-id, so `marsi resume` continues the same W&B run. `WANDB_MODE=offline`
-    writes it under RUN_DIR/wandb/ only (`wandb sync` uploads it later)."""
-
-    def __init__(self, project: str, run_dir: Path):
-        import wandb
-
-        self.wandb = wandb
-        (run_dir / "wandb").mkdir(exist_ok=True)
-        id_file = run_dir / "wandb" / "run-id"
-        if not id_file.exists():
-            id_file.write_text(secrets.token_hex(4))  # W&B run ids: 8 characters of [0-9a-z]
-        self.run = wandb.init(project=project, dir=str(run_dir), name=run_dir.resolve().name,
-                              id=id_file.read_text().strip(), resume="allow")
-        self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")
-        self.tables: dict[bool, Any] = {}
-
-    def log(self, metrics: dict[str, Any]) -> None:
-        self.run.log({"step": metrics["step"], **scalars(metrics)})
-
-    def log_episodes(self, step: int, transcripts: list[dict[str, Any]], *, evaluation: bool) -> None:
-        table = self.tables.get(evaluation)
-        if table is None:
-            table = self.tables[evaluation] = self.wandb.Table(columns=EPISODE_COLUMNS, log_mode="INCREMENTAL")
-        for row in episode_rows(step, transcripts):
-            table.add_data(*row)
-        self.run.log({"step": step, "eval/episodes" if evaluation else "episodes": table})
-
-    def close(self) -> None:
-        self.run.finish()
-
-
-def open_loggers(logging: LoggingConfig, run_dir: Path) -> list[Logger]:
-    """The loggers the config asks for (`missing_extra` has checked that their packages are installed)."""
-    loggers: list[Logger] = []
-    try:
-        if logging.tensorboard:
-            loggers.append(TensorBoardLogger(run_dir))
-        if logging.wandb_project:
-            loggers.append(WandbLogger(logging.wandb_project, run_dir))
-    except BaseException:
-        for logger in loggers:
-            logger.close()
-        raise
-    return loggers
+    return [row for _, row in _jsonl_lines(path, stream)]
 
 
 def _size(path: Path) -> int | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.runfiles import open_inside
 from orchestrator.runlog import EVAL_TRANSCRIPTS, TRANSCRIPTS
 
 MAX_MB = 20.0
@@ -47,31 +48,37 @@ class _Line:
 
 
 def inlined(runs: dict[str, Path], max_mb: float = MAX_MB) -> Inlined:
-    """The episodes of `runs` (name -> run directory) to inline, within `max_mb`."""
+    """The episodes of `runs` (name -> run directory) to inline, within `max_mb`. Only regular files inside a run
+    directory are read (`runfiles.open_inside`): a transcript file that is a link is passed over."""
     out = Inlined()
-    files = [(run, kind, run_dir / name) for run, run_dir in runs.items()
-             for kind, name in (("train", TRANSCRIPTS), ("eval", EVAL_TRANSCRIPTS)) if (run_dir / name).exists()]
-    lines = {path: _measure(path, out) for _, _, path in files}
+    files = [(run, kind, run_dir, name) for run, run_dir in runs.items()
+             for kind, name in (("train", TRANSCRIPTS), ("eval", EVAL_TRANSCRIPTS))]
+    lines = {(d, n): found for _, _, d, n in files if (found := _measure(d, n, out)) is not None}
+    files = [f for f in files if (f[2], f[3]) in lines]
     out.total = sum(len(found) for found in lines.values())
     budget, left = max_mb * 1e6, len(files)
-    chosen: dict[Path, set[int]] = {}
-    for _, _, path in sorted(files, key=lambda f: sum(line.size for line in lines[f[2]])):  # smallest first
+    chosen: dict[tuple[Path, str], set[int]] = {}
+    for _, _, d, n in sorted(files, key=lambda f: sum(line.size for line in lines[f[2], f[3]])):  # smallest first
         share = budget / left
-        chosen[path] = _choose(lines[path], share)
-        budget -= sum(lines[path][i].size for i in chosen[path])
+        chosen[d, n] = _choose(lines[d, n], share)
+        budget -= sum(lines[d, n][i].size for i in chosen[d, n])
         left -= 1
-    for run, kind, path in files:
-        with open(path, "rb") as f:
-            for i in sorted(chosen[path]):
-                f.seek(lines[path][i].offset)
-                out.episodes.append(browsable(run, kind, json.loads(f.read(lines[path][i].size))))
+    for run, kind, d, n in files:
+        with open_inside(d, n) as f:
+            for i in sorted(chosen[d, n]) if f is not None else ():  # None: replaced by a link since it was measured
+                f.seek(lines[d, n][i].offset)
+                out.episodes.append(browsable(run, kind, json.loads(f.read(lines[d, n][i].size))))
     return out
 
 
-def _measure(path: Path, out: Inlined) -> list[_Line]:
-    """Each well-formed record's place, size and step; a malformed one is counted in `out.skipped`."""
+def _measure(run_dir: Path, name: str, out: Inlined) -> list[_Line] | None:
+    """Each well-formed record's place, size and step; a malformed one is counted in `out.skipped`. None where the
+    file is not a regular file inside `run_dir`."""
     found, offset = [], 0
-    with open(path, "rb") as f:
+    with open_inside(run_dir, name) as f:
+        if f is None:
+            return None
+        path = run_dir / name
         for number, raw in enumerate(f, 1):
             size, start = len(raw), offset
             offset += size

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from protocols.errors import UserError
 
@@ -265,6 +265,17 @@ class Location:
 
     def __str__(self) -> str:
         return f"{self.root.rstrip('/')}/{self.key}" if self.key else self.root
+
+
+class ForwardedEnv(_Message):
+    values: dict[str, SecretStr] = {}
+    """`ray.forward_env`: each variable's value as the coordinator's environment has it, set in a trainer's process
+    as it starts. Passed as an argument of the trainer's constructor, never in Ray's `runtime_env`, whose agent logs
+    what it is given; printed, it shows `**********` for every value."""
+
+    def apply(self) -> None:
+        """Set the variables in this process's environment."""
+        os.environ.update({name: value.get_secret_value() for name, value in self.values.items()})
 
 
 class SaveRequest(_Message):

@@ -79,3 +79,24 @@ def uninterrupted_rows(config, run_dir) -> list[dict]:
     with Coordinator(config, run_dir) as coord:
         coord.run()
     return without_times(rows(run_dir))
+
+
+def claim_at_once(logs) -> dict:
+    """Each RunLog in `logs` claims its (new) run in its own thread, all released at one instant: log -> "claimed", or
+    the message it was refused with."""
+    barrier, outcome = threading.Barrier(len(logs)), {}
+
+    def claim(log):
+        barrier.wait()
+        try:
+            log.claim(resume=False)
+            outcome[log] = "claimed"
+        except Exception as exc:
+            outcome[log] = str(exc)
+
+    threads = [threading.Thread(target=claim, args=(log,)) for log in logs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outcome

@@ -252,3 +252,33 @@ def test_a_model_path_missing_on_the_worker_node_names_the_node(two_nodes, tmp_p
                         r"\([0-9.]+, id [0-9a-f]{12}\), which hosts this agent; copy it to that path on every node "
                         r"that may host the agent, or give a hub id or a built-in", line), line
     assert_documented("model_missing_on_node", line, exit=out.returncode, **{"/models/m": model}, **named(line))
+
+
+def test_forwarded_values_reach_the_trainers_and_no_file(ray_cluster, tmp_path, monkeypatch):
+    """`ray.forward_env` values (storage credentials) are set in every trainer's process, and appear in no file under
+    Ray's session directory (its runtime_env agent's log among them, which outlives the run), the run directory, the
+    store or the report. The variable is set after the session's cluster started, so a trainer has it only if
+    marsi forwarded it."""
+    import secrets
+
+    import ray
+
+    from orchestrator.report import report
+
+    value = f"marsi-forwarded-{secrets.token_hex(12)}"
+    monkeypatch.setenv("MARSI_TEST_SECRET", value)
+    raw = config(ray=True, train={"steps": 1, "storage": f"file://{tmp_path}/store"})
+    raw["ray"]["forward_env"] = ["MARSI_TEST_SECRET"]
+    raw["ray"]["env_vars"] = {"MARSI_TEST_SETTING": "plain"}
+    with Coordinator(validate_config(raw), tmp_path / "run") as coord:
+        seen = ray.get([actor.__ray_call__.remote(lambda self: (os.environ.get("MARSI_TEST_SECRET"),
+                                                                 os.environ.get("MARSI_TEST_SETTING")))
+                        for agent in ("a", "b") for actor in coord.pool.workers[agent]])
+        coord.run()
+    assert seen == [(value, "plain")] * 2
+    report(tmp_path / "run")
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    assert (session / "logs" / "runtime_env_agent.log").is_file()
+    leaked = [str(path) for root in (session, tmp_path) for path in root.rglob("*")
+              if path.is_file() and not path.is_symlink() and value.encode() in path.read_bytes()]
+    assert leaked == []

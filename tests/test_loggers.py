@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.coordinator import Coordinator
-from orchestrator.runlog import EPISODE_COLUMNS, TensorBoardLogger, episode_rows, read_jsonl, scalars
+from orchestrator.loggers import EPISODE_COLUMNS, TensorBoardLogger, episode_rows, scalars
+from orchestrator.runlog import read_jsonl
 from protocols.config import validate_config
 from tests.envs import HERE, config
 

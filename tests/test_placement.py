@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent_trainer.actor import actor_extras, bundle_of, trainer_env
+from agent_trainer.actor import actor_extras, bundle_of, forwarded_env, trainer_env
 from agent_trainer.group import missing_resources
 from agent_trainer.handle import PlacementError
 from protocols.config import ConfigError, RayConfig, ResourcesConfig, validate_config
@@ -33,12 +33,16 @@ def test_a_resource_no_node_has_is_refused_at_once_naming_the_agent():
 
 @pytest.mark.fast
 def test_forwarded_variables_reach_the_trainers_and_a_missing_one_is_named():
+    """`ray.env_vars` go in Ray's runtime_env; `ray.forward_env` values go to each trainer's constructor instead
+    (Ray's runtime_env agent logs its env_vars), and print as stars."""
     ray = RayConfig(env_vars={"AWS_REGION": "eu-west-1"}, forward_env=["AWS_ACCESS_KEY_ID"])
-    assert trainer_env(ray, {"AWS_ACCESS_KEY_ID": "key", "OTHER": "x"}) == {
-        "env_vars": {"AWS_REGION": "eu-west-1", "AWS_ACCESS_KEY_ID": "key"}}
-    assert trainer_env(RayConfig(), {}) is None
+    assert trainer_env(ray) == {"env_vars": {"AWS_REGION": "eu-west-1"}}
+    forwarded = forwarded_env(ray, {"AWS_ACCESS_KEY_ID": "key", "OTHER": "x"})
+    assert {k: v.get_secret_value() for k, v in forwarded.values.items()} == {"AWS_ACCESS_KEY_ID": "key"}
+    assert "key" not in repr(forwarded) and "key" not in str(forwarded.model_dump())
+    assert trainer_env(RayConfig()) is None and forwarded_env(RayConfig(), {}).values == {}
     with pytest.raises(PlacementError, match=r"ray.forward_env: AWS_ACCESS_KEY_ID not set in this process's environment"):
-        trainer_env(ray, {})
+        forwarded_env(ray, {})
 
 
 @pytest.mark.fast

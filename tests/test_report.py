@@ -184,3 +184,64 @@ def test_a_screenshot_of_the_report(run, tmp_path):
     assert shot.read_bytes()[:4] == b"\x89PNG" and shot.stat().st_size > 20_000  # a drawn page, not a blank one
     if os.environ.get("MARSI_DOCS_SCREENSHOT") == "1":
         shutil.copy(shot, ROOT / "docs" / "report.png")
+
+
+def test_a_report_reads_only_regular_files_inside_the_run_directory(run, tmp_path):
+    """A run directory received from someone else, with links to this machine's secrets in place of a source file, a
+    record and the whole source folder: none is followed, each is listed as skipped, the report is written."""
+    secret = tmp_path / "credentials"
+    secret.write_text("[default]\naws_secret_access_key = wJalrXUtnFEMI-not-for-the-report\n")
+    rows = tmp_path / "elsewhere.jsonl"  # JSON lines a link may point at, which the report would otherwise show
+    rows.write_text(json.dumps({"step": 1, "checkpoint": "wJalrXUtnFEMI-not-for-the-report", "eval/reward/mean": 1.0})
+                    + "\n")
+    mine = tmp_path / "run"
+    shutil.copytree(run, mine)
+    (mine / "report.html").unlink()
+    (mine / "source" / "credentials").symlink_to(secret)
+    (mine / "eval.jsonl").symlink_to(rows)
+    out = marsi("report", mine)
+    assert out.returncode == 0, out.stderr
+    page = (mine / "report.html").read_text()
+    assert "wJalrXUtnFEMI" not in page
+    assert "source/envs.py" in page and "class LetterEnv" in page  # the regular files are read as before
+    assert "eval.jsonl (a link), source/credentials (a link)" in page
+    line = next(line for line in out.stderr.splitlines() if "skipped" in line).removeprefix("marsi: ")
+    assert line == (f"{mine}: skipped eval.jsonl (a link), source/credentials (a link): the report reads only regular "
+                    "files inside a run directory")
+    shutil.rmtree(mine / "source")
+    (tmp_path / "home").mkdir()
+    shutil.copy(secret, tmp_path / "home" / "envs.py")
+    (mine / "source").symlink_to(tmp_path / "home")  # the folder itself a link
+    (mine / "report.html").unlink()
+    out = marsi("report", mine)
+    assert out.returncode == 0, out.stderr
+    page = (mine / "report.html").read_text()
+    assert "wJalrXUtnFEMI" not in page and "source (a link)" in page
+
+
+def test_out_replaces_only_a_report_unless_forced(run, tmp_path):
+    """`--out` onto the run's own config.yaml, onto a directory, below a file, or onto a link: one line naming --out
+    and the fix, exit 2, nothing written; a report marsi wrote is replaced; --force replaces any file (a link
+    itself, never what it points at)."""
+    mine = tmp_path / "run"
+    shutil.copytree(run, mine)
+    config_bytes = (mine / "config.yaml").read_bytes()
+    out = marsi("report", mine, "--out", mine / "config.yaml")
+    assert_documented("report_out_not_a_report", out.stderr.strip().splitlines()[-1], exit=out.returncode, RUN=mine)
+    assert (mine / "config.yaml").read_bytes() == config_bytes
+    out = marsi("report", mine, "--out", mine)
+    assert_documented("report_out_directory", out.stderr.strip().splitlines()[-1], exit=out.returncode, RUN=mine)
+    (tmp_path / "a-file").write_text("not a folder")
+    out = marsi("report", mine, "--out", tmp_path / "a-file" / "report.html")
+    assert_documented("report_out_unwritable", out.stderr.strip().splitlines()[-1], exit=out.returncode,
+                      **{"<tmp>": tmp_path})
+    metrics = (mine / "metrics.jsonl").read_bytes()
+    (tmp_path / "link.html").symlink_to(mine / "metrics.jsonl")
+    assert marsi("report", mine, "--out", tmp_path / "link.html").returncode == 2
+    out = marsi("report", mine, "--out", tmp_path / "link.html", "--force")
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "link.html").is_symlink() and (mine / "metrics.jsonl").read_bytes() == metrics
+    out = marsi("report", mine, "--out", tmp_path / "new" / "folder" / "report.html")  # a missing folder is made
+    assert out.returncode == 0 and (tmp_path / "new" / "folder" / "report.html").is_file(), out.stderr
+    assert marsi("report", mine, "--out", tmp_path / "new" / "folder" / "report.html").returncode == 0  # a report
+    assert sorted(p.name for p in (tmp_path / "new" / "folder").iterdir()) == ["report.html"]

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, make_ru
 from protocols.config import validate_config
 from tests.envs import config
 from tests.errors_doc import assert_documented, assert_quoted
-from tests.runs import MARSI, marsi, rows, without_times, write
+from tests.runs import MARSI, claim_at_once, marsi, rows, without_times, write
 
 def last_line(out) -> str:
     """The last line a marsi subprocess wrote to stderr: its error."""
@@ -358,3 +359,215 @@ def test_a_full_disk_names_the_disk_and_the_last_good_checkpoint(tmp_path):
         assert f"the last good checkpoint is {last}" in line and f"marsi resume {disk / 'run'}" in line
     finally:
         subprocess.run(["umount", "-l", str(disk)])
+
+
+# ----------------------------------------------------- stored runs (train.storage): one writer, fetches that agree
+def stored(steps: int, store, **train) -> dict:
+    return config(train={"steps": steps, "checkpoint_every": 1, "keep_checkpoints": 3, "storage": f"file://{store}",
+                         **train})
+
+
+def write_lease(place: Path, **owner) -> None:
+    """A lease of the run at `place` as another marsi would have left it (`orchestrator/lease.py`)."""
+    now = time.time()
+    lease = {"token": "f" * 32, "host": "gpu-node-7", "pid": 4242, "started": "1", "boot": "another-boot",
+             "user": "someone", "since": now - 3600, "heartbeat": now, **owner}
+    place.mkdir(parents=True, exist_ok=True)
+    (place / "lease.json").write_text(json.dumps(lease))
+
+
+@pytest.mark.parametrize("again", ["the place", "the run directory"])
+def test_a_run_directory_behind_its_store_is_brought_up_to_it(tmp_path, capfd, again):
+    """Machine A runs steps 1-2, machine B fetches the run and does step 3, A goes on (from the store's place, or
+    from its own run directory): A's directory is brought up to step 3 before step 4, so A and the store end with
+    every step's record, as an uninterrupted run's."""
+    from tests.runs import uninterrupted_rows
+
+    reference = uninterrupted_rows(validate_config(stored(4, tmp_path / "ref-store")), tmp_path / "reference")
+    store = tmp_path / "store"
+    a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    with Coordinator(validate_config(stored(2, store)), a) as coord:
+        coord.run()
+    with Coordinator.resume(f"file://{store}/run", ["train.steps=3"], fetch_to=b) as coord:
+        coord.run()
+    capfd.readouterr()
+    target = f"file://{store}/run" if again == "the place" else a
+    with Coordinator.resume(target, ["train.steps=4"], fetch_to=a if again == "the place" else None) as coord:
+        assert coord.state.step == 3
+        coord.run()
+    assert [r["step"] for r in rows(a)] == [1, 2, 3, 4]
+    assert without_times(rows(a)) == reference
+    assert_quoted(next(line for line in capfd.readouterr().err.splitlines() if "brought them up" in line)
+                  .removeprefix("marsi: "), RUN=a, CHECKPOINT="step-000003")
+    Coordinator.resume(f"file://{store}/run", fetch_to=tmp_path / "c").close()  # what any later fetch gets
+    assert without_times(rows(tmp_path / "c")) == reference
+    assert (tmp_path / "c" / "transcripts.jsonl").read_bytes() == (a / "transcripts.jsonl").read_bytes()
+
+
+def test_a_second_writer_of_a_stored_run_is_refused_naming_the_holder(tmp_path):
+    """Two run directories of one name write one place in the store: the second is refused by the run's lease, in
+    one line naming the holder, before it changes anything; the first goes on and keeps every checkpoint."""
+    store = tmp_path / "store"
+    with Coordinator(validate_config(stored(3, store)), tmp_path / "one" / "run") as first:
+        first.run(until=1)
+        kept = sorted(p.name for p in (store / "run" / "checkpoints").iterdir())
+        second = Coordinator(validate_config(stored(3, store)), tmp_path / "two" / "run")
+        with pytest.raises(Exception) as info:
+            second.start()
+        assert_documented("storage_lease_held", info.value, PLACE=f"file://{store}/run", HOST=socket.gethostname(),
+                          PID=os.getpid())
+        assert not (tmp_path / "two" / "run").exists()
+        assert sorted(p.name for p in (store / "run" / "checkpoints").iterdir()) == kept
+        first.run()
+    assert [c.name for c in RunLog(tmp_path / "one" / "run").checkpoints()] == ["step-000001", "step-000002", "step-000003"]
+    assert not (store / "run" / "lease.json").exists()  # given back at the end
+
+
+def test_two_runs_that_claim_one_place_at_once_get_one_owner(tmp_path):
+    """The lease is taken by a create-if-absent: of two coordinators claiming one place in the same instant (before
+    either wrote a checkpoint), exactly one gets it, every time."""
+    store = f"file://{tmp_path}/store"
+    for attempt in range(10):
+        logs = [RunLog(tmp_path / f"{who}-{attempt}" / "run", storage=store) for who in ("one", "two")]
+        outcome = claim_at_once(logs)
+        assert sorted(v == "claimed" for v in outcome.values()) == [False, True], outcome
+        assert all("is held by another marsi" in v for v in outcome.values() if v != "claimed")
+        for log in logs:
+            log.release()
+
+
+def test_resuming_a_run_whose_holder_still_runs_is_refused_before_anything_is_fetched(tmp_path):
+    store = tmp_path / "store"
+    with Coordinator(validate_config(stored(3, store)), tmp_path / "run") as first:
+        first.run(until=2)
+        with pytest.raises(Exception) as info:
+            Coordinator.resume(f"file://{store}/run", ["train.steps=6"], fetch_to=tmp_path / "elsewhere")
+        assert_documented("storage_lease_held", info.value, PLACE=f"file://{store}/run", HOST=socket.gethostname(),
+                          PID=os.getpid())
+        assert not (tmp_path / "elsewhere").exists()
+        out = marsi("resume", f"file://{store}/run", "train.steps=6", "--run-dir", tmp_path / "elsewhere")
+        assert out.returncode == 2 and "is held by another marsi" in last_line(out), out.stderr
+        assert not (tmp_path / "elsewhere").exists()
+        first.run()
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_a_stale_lease_is_taken_over_with_take_over_and_a_gone_local_one_at_once(tmp_path, capfd):
+    store = tmp_path / "store"
+    with Coordinator(validate_config(stored(1, store)), tmp_path / "run") as coord:
+        coord.run()
+    place = store / "run"
+    write_lease(place, heartbeat=time.time() - 400)  # a run on another machine that died 400 s ago
+    with pytest.raises(Exception, match=r"last heartbeat 4[0-9][0-9] s ago\); .* adding --take-over"):
+        Coordinator.resume(tmp_path / "run", ["train.steps=2"])
+    out = marsi("resume", tmp_path / "run", "train.steps=2", "--take-over")
+    assert out.returncode == 0, out.stderr
+    took = next(line for line in out.stderr.splitlines() if "took over" in line).removeprefix("marsi: ")
+    assert_quoted(took, PLACE=f"file://{place}")
+    assert took.endswith("s ago: no heartbeat for over 300 s") and "pid 4242 on gpu-node-7" in took
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a marsi on this machine whose process is gone: taken over without --take-over
+    from orchestrator.lease import Owner
+
+    me = Owner.me()
+    write_lease(place, host=me.host, boot=me.boot, pid=gone.pid, started="0")
+    with Coordinator.resume(tmp_path / "run", ["train.steps=3"]) as coord:
+        coord.run()
+    assert "that process is gone" in capfd.readouterr().err
+    write_lease(place, heartbeat=time.time())  # alive elsewhere: --take-over does not take it
+    with pytest.raises(Exception, match="is held by another marsi"):
+        Coordinator.resume(tmp_path / "run", ["train.steps=4"], take_over=True)
+
+
+def test_a_run_whose_lease_was_taken_over_stops_at_its_next_checkpoint_and_deletes_nothing(tmp_path):
+    store = tmp_path / "store"
+    with Coordinator(validate_config(stored(3, store)), tmp_path / "run") as coord:
+        coord.run(until=1)
+        write_lease(store / "run")  # taken over by another marsi (this one looked dead to it)
+        before = sorted(str(p.relative_to(store)) for p in store.rglob("*") if p.is_file())
+        with pytest.raises(Exception) as info:
+            coord.run()
+        assert_documented("storage_lease_lost", info.value, PLACE=f"file://{store}/run")
+    assert sorted(str(p.relative_to(store)) for p in store.rglob("*") if p.is_file()) == before
+    assert json.loads((store / "run" / "lease.json").read_text())["host"] == "gpu-node-7"  # theirs, kept
+
+
+def test_altered_records_fall_back_and_a_failed_fetch_leaves_no_directory(tmp_path, capfd):
+    """A byte flipped in the newest checkpoint's records (same size: only the checksum tells) falls back to the one
+    before, as a cut or missing one does; when no checkpoint's records are intact, or the resume is refused after
+    the fetch, no run directory is left behind."""
+    from tests.runs import uninterrupted_rows
+
+    reference = uninterrupted_rows(validate_config(stored(3, tmp_path / "ref-store")), tmp_path / "reference")
+    store = tmp_path / "store"
+    with Coordinator(validate_config(stored(3, store)), tmp_path / "run") as coord:
+        coord.run()
+    place = f"file://{store}/run"
+    checkpoints = store / "run" / "checkpoints"
+    metrics = checkpoints / "step-000003" / "run" / "metrics.jsonl"
+    data = bytearray(metrics.read_bytes())
+    data[5] ^= 0x01
+    metrics.write_bytes(bytes(data))
+    capfd.readouterr()
+    with Coordinator.resume(place, fetch_to=tmp_path / "fetched") as coord:
+        assert coord.state.step == 2
+        coord.run()
+    assert_quoted(next(line for line in capfd.readouterr().err.splitlines() if "is damaged" in line)
+                  .removeprefix("marsi: "))
+    assert without_times(rows(tmp_path / "fetched")) == reference
+    # refused after the fetch (another storage): the fetched directory goes again
+    with pytest.raises(Exception, match="keeps its checkpoint storage"):
+        Coordinator.resume(place, ["train.storage=file:///elsewhere"], fetch_to=tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    out = marsi("resume", place, "train.storage=file:///elsewhere", "--run-dir", tmp_path / "refused")
+    assert out.returncode == 2 and not (tmp_path / "refused").exists(), out.stderr
+    # every checkpoint's records altered: one line, and no directory
+    for record in checkpoints.glob("step-*/run/config.yaml"):
+        text = bytearray(record.read_bytes())
+        text[0] ^= 0x01
+        record.write_bytes(bytes(text))
+    with pytest.raises(FileNotFoundError) as info:
+        Coordinator.resume(place, fetch_to=tmp_path / "nothing")
+    assert_documented("resume_place_records_damaged", info.value, STORE=place)
+    assert not (tmp_path / "nothing").exists() and not list(tmp_path.glob(".nothing*"))
+
+
+def test_a_fetch_cut_short_leaves_no_run_directory_to_resume(tmp_path, monkeypatch):
+    """A fetch stopped after its first transcripts segment (Ctrl-C, a lost network) leaves nothing where the run
+    directory would be; a directory such a fetch left (an older marsi's) is brought up to the store on resume."""
+    from orchestrator import runstore
+
+    store = tmp_path / "store"
+    with Coordinator(validate_config(stored(2, store)), tmp_path / "run") as coord:
+        coord.run()
+    place = f"file://{store}/run"
+    whole = (tmp_path / "run" / "transcripts.jsonl").read_bytes()
+    append_to = storage.append_to
+    calls = []
+
+    def cut(src, out):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(src)
+        return append_to(src, out)
+
+    monkeypatch.setattr(storage, "append_to", cut)
+    with pytest.raises(KeyboardInterrupt):
+        runstore.fetch_run(runstore.as_place(place), tmp_path / "runs" / "run")
+    assert calls and not (tmp_path / "runs").exists()
+    monkeypatch.setattr(storage, "append_to", append_to)
+    # what an older marsi's cut fetch left: the records of the first segment only, the rest missing
+    partial = tmp_path / "partial" / "run"
+    shutil.copytree(tmp_path / "run", partial, ignore=shutil.ignore_patterns(".lock"))
+    (partial / "transcripts.jsonl").write_bytes(whole[:len(whole) // 3])
+    with Coordinator.resume(partial, ["train.steps=2"]) as coord:
+        assert coord.state.step == 2
+    assert (partial / "transcripts.jsonl").read_bytes() == whole
+    # a fetch killed outright leaves its hidden directory, which the next fetch into that place removes
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / "again" / f".run.fetch-{dead.pid}-0000"
+    (left / "source").mkdir(parents=True)
+    runstore.fetch_run(runstore.as_place(place), tmp_path / "again" / "run")
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["run"]

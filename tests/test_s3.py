@@ -194,3 +194,31 @@ def test_an_unreachable_s3_endpoint_fails_in_one_line(tmp_path, s3, clients, mon
     else:
         assert_documented("storage_unusable", info.value, **{"file:///mnt/ckpt": f"s3://{BUCKET}/away"})
     assert not (tmp_path / "run").exists()
+
+
+def test_the_runs_lease_in_s3_goes_to_one_of_two_writers_and_back(tmp_path, s3, clients, monkeypatch):
+    """The lease is taken with S3's conditional put (If-None-Match: *): of two coordinators claiming one place in the
+    same instant exactly one gets it; its heartbeat is a put If-Match its ETag, so a lease another marsi wrote over
+    is found lost; a released lease leaves no key."""
+    import boto3
+
+    from orchestrator.runlog import RunLog
+    from tests.runs import claim_at_once
+
+    monkeypatch.setattr(storage, "deadline_s", 120.0)  # as a run sets it (train.storage_timeout_s); tests before set 2
+    store = f"s3://{BUCKET}/leased"
+    for attempt in range(5):
+        logs = [RunLog(tmp_path / f"{who}-{attempt}" / "run", storage=store) for who in ("one", "two")]
+        outcome = claim_at_once(logs)
+        assert sorted(v == "claimed" for v in outcome.values()) == [False, True], outcome
+        assert all("is held by another marsi" in v for v in outcome.values() if v != "claimed")
+        holder = next(log for log in logs if outcome[log] == "claimed")
+        holder.lease.confirm()  # a heartbeat: the conditional put on the ETag it wrote
+        if attempt == 0:
+            boto3.client("s3", endpoint_url=s3).put_object(Bucket=BUCKET, Key="leased/run/lease.json", Body=b"{}")
+            with pytest.raises(Exception, match="this run no longer holds the run's lease: it was overwritten"):
+                holder.lease.confirm()
+            boto3.client("s3", endpoint_url=s3).delete_object(Bucket=BUCKET, Key="leased/run/lease.json")
+        for log in logs:
+            log.release()
+        assert [k for k in keys(s3, "leased/") if not k.endswith("/")] == []

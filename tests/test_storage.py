@@ -306,8 +306,6 @@ class _HangingFilesystem:
 def test_an_unreachable_store_fails_within_the_deadline_in_one_line(tmp_path, monkeypatch):
     import threading
 
-    from pyarrow import fs
-
     release = threading.Event()
     real = storage._filesystem.__wrapped__
 
@@ -391,3 +389,28 @@ def test_transcripts_go_up_as_the_bytes_appended_since_the_last_checkpoint(tmp_p
     assert (tmp_path / "fetched" / "transcripts.jsonl").read_bytes() == local
     (segments / two[-1][0]).write_bytes(b"other bytes")
     assert checkpoint_problem(log.checkpoints()[-1]) == f"records/transcripts.jsonl/{two[-1][0]} is cut short"
+
+
+@pytest.mark.parametrize("uri, shown", [
+    ("s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/runs", "s3://***@bucket/runs"),
+    ("s3://bucket/runs?access_key=AKIAEXAMPLE&secret_key=wJalrXUtnFEMI", "s3://bucket/runs?access_key=***&secret_key=***"),
+    ("abfs://container:wJalrXUtnFEMI@account.dfs.core.windows.net/runs", "abfs://***@account.dfs.core.windows.net/runs"),
+])
+def test_credentials_in_a_storage_uri_are_refused_and_never_written(tmp_path, uri, shown):
+    """A storage URI that carries credentials is refused before anything is written (config.yaml, store.json, the
+    store and reports would keep them); the message hides them. So is a run's place given with them."""
+    from protocols.config import load_config
+    from tests.runs import marsi, write
+
+    source = write(tmp_path, raw_config(storage=uri))
+    with pytest.raises(ConfigError) as info:
+        load_config(source)
+    assert "wJalrXUtnFEMI" not in str(info.value) and f"train.storage: {shown!r} holds credentials" in str(info.value)
+    if shown != "s3://***@bucket/runs":
+        return
+    assert_documented("storage_credentials", info.value, **{"<tmp>": tmp_path})
+    away = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_EC2_METADATA_DISABLED": "true"}  # no store is reached
+    out = marsi("resume", "s3://bucket/runs/run?secret_key=wJalrXUtnFEMI", "--run-dir", tmp_path / "run", env=away)
+    assert "wJalrXUtnFEMI" not in out.stderr
+    assert_documented("place_credentials", out.stderr.strip().splitlines()[-1], exit=out.returncode)
+    assert not (tmp_path / "run").exists()
