@@ -174,7 +174,7 @@ def _refused(raw) -> ConfigError:
     return info.value
 
 
-def test_config_refuses_workers_without_ray_and_placement_counts_every_worker(tmp_path, capsys):
+def test_config_refuses_workers_without_ray_and_placement_counts_every_worker(tmp_path, capsys, monkeypatch):
     from orchestrator.cli import main
 
     assert_documented("workers_without_ray", _refused(raw_config(workers_a=2)))
@@ -201,7 +201,8 @@ def test_config_refuses_workers_without_ray_and_placement_counts_every_worker(tm
     assert placement_problem(validate_config(raw), 1.0, 0.0, "the Ray cluster") == (
         "agents ask for 1.25 CPUs in all (a: 0.25 x 4 workers, b: 0.25) but the Ray cluster has 1; lower "
         "agents.NAME.resources.num_cpus (fractions such as 0.5 share a core) or num_workers, or give the cluster more")
-    raw = raw_config(workers_a=2, ray=True)  # as marsi validate says it (no Ray started)
+    raw = raw_config(workers_a=2, ray=True)  # as marsi validate says it in a process not connected to Ray
+    monkeypatch.setattr("orchestrator.preflight.ray_is_up", lambda: False)  # another test's Ray may be up here
     raw["agents"]["a"]["resources"]["num_cpus"] = 1
     raw["agents"]["b"]["resources"]["num_cpus"] = 0.5
     raw["ray"]["num_cpus"] = 2
