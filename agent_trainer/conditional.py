@@ -26,6 +26,11 @@ from agent_trainer import storage
 from protocols.messages import Location
 
 
+def atomic(loc: Location) -> bool:
+    """Whether `create` and `replace` at `loc` are atomic (this machine's filesystem, or S3 with boto3)."""
+    return _local(loc) is not None or _s3(loc) is not None
+
+
 def read(loc: Location) -> tuple[bytes, str] | None:
     """(bytes, version) of the object at `loc`, or None if there is none."""
     client = _s3(loc)

@@ -128,6 +128,11 @@ class Lease:
     def take(self, *, take_over: bool = False) -> None:
         """Create the lease, or take over one whose holder is gone (see the module); LeaseHeld otherwise."""
         data = self.owner.encode()
+        if not conditional.atomic(self.where):
+            fix = " (pip install 'marsi[s3]' installs boto3, whose conditional puts make it atomic)" \
+                if self.where.root.startswith("s3:") else ""
+            print(f"marsi: the lease of {self.place} is written and read back, not taken atomically{fix}; the check "
+                  "before the first checkpoint stops a second writer", file=sys.stderr, flush=True)
         while not conditional.create(self.where, data):
             found = conditional.read(self.where)
             if found is None:

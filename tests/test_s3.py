@@ -222,3 +222,24 @@ def test_the_runs_lease_in_s3_goes_to_one_of_two_writers_and_back(tmp_path, s3, 
         for log in logs:
             log.release()
         assert [k for k in keys(s3, "leased/") if not k.endswith("/")] == []
+
+
+def test_a_lease_in_s3_without_boto3_is_said_to_be_not_atomic(tmp_path, s3, clients, monkeypatch, capsys):
+    """Without boto3 an S3 lease is written and read back (no conditional put): taking it says so, with the extra
+    that makes it atomic; with boto3 it says nothing."""
+    from agent_trainer import conditional
+    from orchestrator.runlog import RunLog
+
+    monkeypatch.setattr(storage, "deadline_s", 120.0)
+    log = RunLog(tmp_path / "with" / "run", storage=f"s3://{BUCKET}/with-boto3")
+    log.claim(resume=False)
+    assert conditional.atomic(log.lease.where) and "atomically" not in capsys.readouterr().err
+    log.release()
+    storage._filesystem.cache_clear()  # a client made afresh, on a machine where `import boto3` fails
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    log = RunLog(tmp_path / "without" / "run", storage=f"s3://{BUCKET}/without-boto3")
+    log.claim(resume=False)
+    err = capsys.readouterr().err
+    assert not conditional.atomic(log.lease.where)
+    assert "is written and read back, not taken atomically (pip install 'marsi[s3]'" in err, err
+    log.release()
