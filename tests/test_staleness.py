@@ -226,9 +226,8 @@ def test_a_finished_async_run_extended_ends_as_a_longer_uninterrupted_run(tmp_pa
         lag = coord.lag
     state = read_checkpoint_state(RunLog(tmp_path / "run").latest_checkpoint())
     assert state["step"] == 3 and [r["step"] for r in state["rollouts"]] == list(range(3, 3 + lag))
-    out = subprocess.run([*MARSI, "resume", str(tmp_path / "run"), "train.steps=5"], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
+    with Coordinator.resume(tmp_path / "run", ["train.steps=5"]) as coord:  # `marsi resume RUN train.steps=5`
+        coord.run()
     assert without_times(rows(tmp_path / "run")) == uninterrupted
 
 
