@@ -315,8 +315,10 @@ def test_self_play_and_a_frozen_agent_sync_after_every_update_and_survive_a_kill
 
 
 @pytest.mark.slow
-def test_smollm2_samples_with_vllm_through_the_coordinator(ray_cluster):
-    raw = config(("smol",), train={"steps": 2, "batch_size": 1, "num_generations": 2}, ray=True)
+def test_smollm2_samples_with_vllm_through_the_coordinator():
+    """In this process, which has vLLM imported already (a Ray trainer would import it again: tens of seconds);
+    Ray trainers with vLLM engines: the self-play test above."""
+    raw = config(("smol",), train={"steps": 2, "batch_size": 1, "num_generations": 2})
     raw["agents"]["smol"].update(model="builtin:smollm2-135m-instruct", dtype="float32", micro_batch_size=2,
                                  generation={"max_completion_length": 8}, optimizer={"lr": 1e-4, "weight_decay": 0.1},
                                  rollout={"engine": "vllm", "vllm": {"kv_cache_gb": 0.25, "max_num_seqs": 8}})
