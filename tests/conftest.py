@@ -17,6 +17,16 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def join_ray_cluster(ray_cluster) -> dict[str, str]:
+    """The environment a `marsi` (or Python) subprocess needs to join the session's Ray rather than start a cluster
+    of its own (seconds of CPU each): RAY_ADDRESS. Its trainers are its job's actors: they end with it, however it
+    ends (a SIGKILLed driver takes its non-detached actors with it)."""
+    import ray
+
+    return {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+
+
 FAST_MODULES = {"test_config", "test_losses", "test_attention", "test_plot", "test_example_envs", "test_dispatch",
                 "test_docs"}
 """Modules whose tests train no model and start no Ray (a test that asks for `ray_cluster` excepted)."""

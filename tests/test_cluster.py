@@ -49,6 +49,28 @@ def _namespaces_work() -> bool:
     return probe.returncode == 0
 
 
+_WAIT_FOR_CPUS = """
+import sys, time
+import ray
+from ray._private import ray_constants
+from ray.autoscaler._private.commands import debug_status
+from ray.experimental import internal_kv
+
+address, wanted = sys.argv[1:]
+while True:  # what `ray status --address=ADDRESS` prints, until it names `wanted`
+    try:
+        client = ray._raylet.GcsClient(address=address)
+        internal_kv._initialize_internal_kv(client)
+        status = client.internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS.encode())
+        error = client.internal_kv_get(ray_constants.DEBUG_AUTOSCALING_ERROR.encode())
+        if wanted in debug_status(status, error, address=address):
+            break
+    except Exception:  # the head is not up yet
+        pass
+    time.sleep(0.5)
+"""
+
+
 class TwoNodes:
     def __init__(self, base: Path):
         self.base = base
@@ -74,15 +96,22 @@ class TwoNodes:
         self._wait_for(2)
 
     def _wait_for(self, nodes: int) -> None:
+        """Until `ray status` would say the cluster has `nodes` CPUs (one per node): one poller process, which
+        imports Ray once, rather than a `ray status` (an import of Ray, a second of CPU) every second."""
+        poller = subprocess.Popen([sys.executable, "-c", _WAIT_FOR_CPUS, self.address, f"/{float(nodes)} CPU"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, **RAY_ENV})
         deadline = time.time() + 90
-        while True:
-            out = subprocess.run([str(RAY), "status", f"--address={self.address}"], capture_output=True, text=True,
-                                 env={**os.environ, **RAY_ENV})
-            if out.returncode == 0 and f"/{float(nodes)} CPU" in out.stdout:
-                return
-            alive = self.head.poll() is None and (self.worker is None or self.worker.poll() is None)
-            assert alive and time.time() < deadline, f"the test cluster did not reach {nodes} nodes: {out.stdout[-500:]}"
-            time.sleep(1)
+        try:
+            while poller.poll() is None:
+                alive = self.head.poll() is None and (self.worker is None or self.worker.poll() is None)
+                assert alive and time.time() < deadline, f"the test cluster did not reach {nodes} nodes"
+                time.sleep(0.2)
+        finally:
+            if poller.poll() is None:
+                poller.kill()
+            out = poller.communicate()[0]
+        assert poller.returncode == 0, f"the test cluster did not reach {nodes} nodes: {out[-1000:]}"
 
     def env(self) -> dict[str, str]:
         return {"RAY_ADDRESS": self.address, **RAY_ENV}
@@ -193,7 +222,7 @@ def test_checkpoints_in_shared_storage_survive_a_killed_trainer_and_a_resume(two
     checkpoint (read in place on each node), `marsi resume` goes on from storage; the metrics are those of an
     uninterrupted single-process run."""
     reference = tmp_path / "reference"
-    with Coordinator(validate_config(config(train={"steps": 5, "checkpoint_every": 1})), reference) as coord:
+    with Coordinator(validate_config(config(train={"steps": 4, "checkpoint_every": 1})), reference) as coord:
         coord.run()
     store = f"file://{two_nodes.shared}/store"
     raw = cluster_config(steps=3, storage=store)
@@ -215,20 +244,20 @@ def test_checkpoints_in_shared_storage_survive_a_killed_trainer_and_a_resume(two
             proc.kill()
     assert proc.returncode == 0, err
     assert re.search(r"its process died .*; restarting the trainers from step-00000[0-2] \(restart 1 of 3\)", err), err
-    out = marsi("resume", run_dir, "train.steps=5", env=two_nodes.env())
+    out = marsi("resume", run_dir, "train.steps=4", env=two_nodes.env())
     assert out.returncode == 0, out.stderr
     assert "resuming" in out.stderr and "at step 3" in out.stderr
     assert without_times(rows(run_dir)) == without_times(rows(reference))
 
     log = RunLog(run_dir)
-    assert [c.name for c in log.checkpoints()] == ["step-000004", "step-000005"]
+    assert [c.name for c in log.checkpoints()] == ["step-000003", "step-000004"]
     newest = log.latest_checkpoint()
-    assert str(newest) == f"{store}/run/checkpoints/step-000005" and checkpoint_problem(newest) is None
+    assert str(newest) == f"{store}/run/checkpoints/step-000004" and checkpoint_problem(newest) is None
     manifest = read_checkpoint_state(newest)["manifest"]
     for agent in ("a", "b"):
         assert {f"agents/{agent}/model/model.safetensors", f"agents/{agent}/trainer_state.pt"} <= set(manifest)
     assert sorted(p.name for p in (two_nodes.shared / "store" / "run" / "checkpoints").iterdir()) == \
-        ["step-000004", "step-000005"]  # nothing uncommitted, no probe left
+        ["step-000003", "step-000004"]  # nothing uncommitted, no probe left
     assert not (run_dir / "checkpoints").exists()
     # no orphans on either node: staging directories, temporary checkpoint directories, probes
     head_view = [str(p) for p in two_nodes.base.rglob("*")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import time
@@ -23,9 +24,17 @@ def raw_config(**train):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """Metrics of the reference run: same seed, no interruption (in-process trainers)."""
-    return uninterrupted_rows(validate_config(raw_config()), tmp_path_factory.mktemp("whole"))
+def whole(tmp_path_factory):
+    """The reference run's directory: same seed, no interruption (in-process trainers), a checkpoint every step."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    uninterrupted_rows(validate_config(raw_config()), run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(whole):
+    """Metrics of the reference run."""
+    return without_times(rows(whole))
 
 
 def test_killed_trainer_is_restarted_and_the_run_ends_as_if_uninterrupted(ray_cluster, tmp_path, uninterrupted):
@@ -42,10 +51,10 @@ def test_killed_trainer_is_restarted_and_the_run_ends_as_if_uninterrupted(ray_cl
     assert any("time/recovery" in m for m in metrics)
 
 
-def test_hung_trainer_is_reported_and_restarts_are_limited(tmp_path):
-    raw = raw_config(call_timeout_s=0.001, max_restarts=1)
-    raw["ray"]["enabled"] = True
-    with pytest.raises(RunFailed, match=r"agent '(a|b)': generate failed: no answer within 0.001s \(hung\); "
+def test_hung_trainer_is_reported_and_restarts_are_limited(ray_cluster, tmp_path):
+    raw = config(("a",), ray=True, train={"steps": STEPS, "checkpoint_every": 1, "call_timeout_s": 0.001,
+                                           "max_restarts": 1})  # one trainer: each restart starts one process
+    with pytest.raises(RunFailed, match=r"agent 'a': generate failed: no answer within 0.001s \(hung\); "
                                         r"stopping after 1 restarts; last good checkpoint: .*step-000000"):
         with Coordinator(validate_config(raw), tmp_path) as coord:
             coord.run()
@@ -61,10 +70,9 @@ def test_sigkilled_coordinator_resumes_to_the_same_metrics(tmp_path, uninterrupt
     assert without_times(rows(run_dir)) == uninterrupted
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, uninterrupted):
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, whole, uninterrupted):
     run_dir = tmp_path / "run"
-    assert subprocess.run([*MARSI, "run", str(write(tmp_path, raw_config())), "--run-dir", str(run_dir)],
-                          capture_output=True).returncode == 0
+    shutil.copytree(whole, run_dir, ignore=shutil.ignore_patterns(".lock"))  # a finished run, every checkpoint kept
     log = RunLog(run_dir)
     newest = log.latest_checkpoint()
     weights = storage.on_disk(newest) / "agents" / "a" / "model" / "model.safetensors"
@@ -115,6 +123,6 @@ def test_sigterm_stops_at_a_safe_point_with_a_checkpoint(tmp_path, uninterrupted
     stopped = len(rows(run_dir))
     assert stopped < STEPS and f"stopped at step {stopped}" in err
     assert RunLog(run_dir).latest_checkpoint().name == f"step-{stopped:06d}"
-    out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    with Coordinator.resume(run_dir) as coord:  # `marsi resume` of a stopped run: test_sigkilled_coordinator_...
+        coord.run()
     assert without_times(rows(run_dir)) == uninterrupted

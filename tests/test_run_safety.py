@@ -40,10 +40,11 @@ def snapshot(run_dir):
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A finished 3-step run (checkpoint every step) and its config file."""
+    from orchestrator.cli import main
+
     tmp = tmp_path_factory.mktemp("finished")
     cfg = write(tmp, config(train={"steps": 3, "checkpoint_every": 1, "keep_checkpoints": 5}))
-    out = marsi("run", cfg, "--run-dir", tmp / "run")
-    assert out.returncode == 0, out.stderr
+    assert main(["run", str(cfg), "--run-dir", str(tmp / "run")]) == 0  # `marsi run`, in this process
     return tmp / "run", cfg
 
 
@@ -123,8 +124,9 @@ def test_cutting_records_back_never_leaves_a_partial_file(tmp_path):
     kept = "".join(line for line in lines if json.loads(line)["step"] <= 100)
     code = (f"from orchestrator.runlog import RunLog; RunLog({str(tmp_path)!r}).truncate_after(100)")
     proc = subprocess.Popen([sys.executable, "-c", code])
-    time.sleep(0.8)  # killed mid-rewrite (or just after): the file is whole, old or new
-    proc.kill()
+    while not (tmp_path / ".transcripts.jsonl.tmp").exists() and proc.poll() is None:
+        time.sleep(0.001)
+    proc.kill()  # killed mid-rewrite (or, on a fast machine, just after): the file is whole, old or new
     proc.wait()
     text = (tmp_path / "transcripts.jsonl").read_text()
     assert text in ("".join(lines), kept)
@@ -213,11 +215,12 @@ def test_checkpoints_are_ordered_by_step_number(tmp_path):
 
 
 # ------------------------------------------------------------------------------- 9: SIGTERM with Ray
-def test_sigterm_with_ray_stops_after_the_step_with_a_checkpoint(tmp_path):
+def test_sigterm_with_ray_stops_after_the_step_with_a_checkpoint(join_ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
     raw = config(ray=True, train={"steps": 40})
     proc = subprocess.Popen([*MARSI, "run", str(write(tmp_path, raw)), "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **join_ray_cluster})  # the session's Ray: no cluster start
     while not (run_dir / "metrics.jsonl").exists():
         assert proc.poll() is None, proc.communicate()[1]
         time.sleep(0.05)
@@ -258,7 +261,9 @@ def test_sigterm_while_the_trainers_start_is_marsis_to_handle(tmp_path):
 # ------------------------------------------------------------------ 10, 11: deadlines and recovery faults
 @pytest.fixture
 def ray_coordinator(ray_cluster, tmp_path):
-    raw = config(ray=True, train={"steps": 2, "checkpoint_every": 1, "checkpoint_timeout_s": 3, "max_restarts": 2})
+    """One trainer (one process to start, and to restart), a step done and checkpointed."""
+    raw = config(("b",), ray=True, train={"steps": 2, "checkpoint_every": 1, "checkpoint_timeout_s": 3,
+                                          "max_restarts": 2})
     with Coordinator(validate_config(raw), tmp_path / "run") as coord:
         coord.run(until=1)
         yield coord
@@ -280,10 +285,10 @@ def test_a_trainer_stopped_during_save_is_a_hung_trainer(ray_coordinator):
 
 def test_a_fault_while_restoring_spends_a_restart_and_is_not_damage(ray_coordinator, capfd, monkeypatch):
     coord = ray_coordinator
-    pid = coord.pool.info()["a"]["pid"]
+    pid = coord.pool.info()["b"]["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
-        with pytest.raises(TrainerFailure, match=r"agent 'a': load failed: no answer within 3s \(hung\)") as caught:
+        with pytest.raises(TrainerFailure, match=r"agent 'b': load failed: no answer within 3s \(hung\)") as caught:
             coord.restore()
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -304,23 +309,28 @@ def test_trainers_not_up_in_time_are_one_line(ray_cluster, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_trainer_killed_before_the_first_checkpoint_is_restarted(ray_cluster, tmp_path):
-    reference = tmp_path / "reference"
-    with Coordinator(validate_config(config(train={"steps": 2})), reference) as coord:
-        coord.run()
-    raw = config(ray=True, train={"steps": 2})
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> list[dict]:
+    """The metrics of an uninterrupted 2-step run, in-process, a checkpoint every step."""
+    from tests.runs import uninterrupted_rows
+
+    return uninterrupted_rows(validate_config(config(train={"steps": 2, "checkpoint_every": 1})),
+                              tmp_path_factory.mktemp("two-steps"))
+
+
+def test_a_trainer_killed_before_the_first_checkpoint_is_restarted(ray_cluster, tmp_path, two_steps):
+    raw = config(ray=True, train={"steps": 2, "checkpoint_every": 1})
     with Coordinator(validate_config(raw), tmp_path / "run") as coord:
         os.kill(coord.pool.info()["b"]["pid"], signal.SIGKILL)  # dies before the step-0 save
         coord.run()
         assert coord.restarts == 1
-    assert without_times(rows(tmp_path / "run")) == without_times(rows(reference))
+    assert without_times(rows(tmp_path / "run")) == two_steps
 
 
-def test_a_trainer_killed_during_the_resume_probe_is_restarted(ray_cluster, tmp_path, monkeypatch):
-    raw = config(ray=True, train={"steps": 3, "checkpoint_every": 1})
-    with Coordinator(validate_config(config(train={"steps": 3, "checkpoint_every": 1})), tmp_path / "whole") as coord:
-        coord.run()
-    with Coordinator(validate_config({**raw, "train": {**raw["train"], "steps": 1}}), tmp_path / "run") as coord:
+def test_a_trainer_killed_during_the_resume_probe_is_restarted(ray_cluster, tmp_path, monkeypatch, two_steps):
+    """A run of 1 step (in-process: only the resume needs Ray's trainers) resumed with Ray to 2 steps; a trainer dies
+    as the resumed coordinator sends the storage probe."""
+    with Coordinator(validate_config(config(train={"steps": 1, "checkpoint_every": 1})), tmp_path / "run") as coord:
         coord.run()
     probe = Coordinator._check_storage_reach
     killed = []
@@ -332,11 +342,11 @@ def test_a_trainer_killed_during_the_resume_probe_is_restarted(ray_cluster, tmp_
         probe(coord)
 
     monkeypatch.setattr(Coordinator, "_check_storage_reach", kill_then_probe)
-    with Coordinator.resume(tmp_path / "run", ["train.steps=3"]) as coord:
-        assert coord.restarts == 1 and coord.state.step == 1
+    with Coordinator.resume(tmp_path / "run", ["train.steps=2", "ray.enabled=true"]) as coord:
+        assert killed and coord.restarts == 1 and coord.state.step == 1
         assert killed[0] not in {i["pid"] for i in coord.pool.info().values()}
         coord.run()
-    assert without_times(rows(tmp_path / "run")) == without_times(rows(tmp_path / "whole"))
+    assert without_times(rows(tmp_path / "run")) == two_steps
 
 
 # ---------------------------------------------------------------------------------------- 13: full disk

@@ -183,23 +183,33 @@ def test_a_bound_that_no_lag_keeps_makes_rollouts_synchronous_and_its_agent_stil
     assert out.returncode == 0 and f"rollouts: {note}" in out.stdout, out.stderr
 
 
-def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_metrics(tmp_path):
+def async_config() -> dict:
+    return config(turns=2, train={"steps": 4, "max_staleness": 1, "checkpoint_every": 1, "keep_checkpoints": 5})
+
+
+@pytest.fixture(scope="module")
+def async_whole(tmp_path_factory):
+    """The directory of an uninterrupted in-process run of `async_config()` (K = 1), and its metrics."""
+    run_dir = tmp_path_factory.mktemp("async-whole")
+    return run_dir, uninterrupted_rows(validate_config(async_config()), run_dir)
+
+
+def test_a_killed_async_run_resumes_to_the_uninterrupted_runs_metrics(tmp_path, async_whole):
     """K = 1: the checkpoint after step 2 holds the rollout of step 3, played with weights it no longer has; the
     coordinator is SIGKILLed, resumed, and ends with the metrics of a run never interrupted."""
-    raw = config(turns=2, train={"steps": 4, "max_staleness": 1, "checkpoint_every": 1, "keep_checkpoints": 5})
-    uninterrupted = uninterrupted_rows(validate_config(raw), tmp_path / "whole")
-    state = read_checkpoint_state(RunLog(tmp_path / "whole").checkpoints()[2])
+    whole, uninterrupted = async_whole
+    state = read_checkpoint_state(RunLog(whole).checkpoints()[2])
     assert state["step"] == 2 and [r["step"] for r in state["rollouts"]] == [2]
     assert state["versions"] == {"a": 2, "b": 2}
     assert {e["turns"][0]["actions"][0]["completion"]["policy_version"] for e in state["rollouts"][0]["episodes"]} == {1}
     import json
 
-    transcripts = [json.loads(line) for line in (tmp_path / "whole" / "transcripts.jsonl").read_text().splitlines()]
+    transcripts = [json.loads(line) for line in (whole / "transcripts.jsonl").read_text().splitlines()]
     for t in transcripts:  # each episode names every agent's version, the one each of its actions carries
         acted = {a["agent"]: a["policy_version"] for turn in t["turns"] for a in turn["actions"]}
         assert t["policy_versions"] == acted == dict.fromkeys(("a", "b"), max(0, t["step"] - 2))
 
-    assert killed_and_resumed(write(tmp_path, raw), tmp_path / "run", 4) == uninterrupted
+    assert killed_and_resumed(write(tmp_path, async_config()), tmp_path / "run", 4) == uninterrupted
 
 
 @pytest.mark.parametrize("kind", ["simultaneous", "alternate"])
@@ -216,15 +226,14 @@ def test_a_finished_async_run_extended_ends_as_a_longer_uninterrupted_run(tmp_pa
         lag = coord.lag
     state = read_checkpoint_state(RunLog(tmp_path / "run").latest_checkpoint())
     assert state["step"] == 3 and [r["step"] for r in state["rollouts"]] == list(range(3, 3 + lag))
-    out = subprocess.run([*MARSI, "resume", str(tmp_path / "run"), "train.steps=5"], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
+    with Coordinator.resume(tmp_path / "run", ["train.steps=5"]) as coord:  # `marsi resume RUN train.steps=5`
+        coord.run()
     assert without_times(rows(tmp_path / "run")) == uninterrupted
 
 
-def test_an_async_run_whose_trainer_dies_restarts_and_ends_as_if_uninterrupted(ray_cluster, tmp_path):
-    raw = config(turns=2, train={"steps": 4, "max_staleness": 1, "checkpoint_every": 1, "keep_checkpoints": 5})
-    uninterrupted = uninterrupted_rows(validate_config(raw), tmp_path / "whole")
+def test_an_async_run_whose_trainer_dies_restarts_and_ends_as_if_uninterrupted(ray_cluster, tmp_path, async_whole):
+    _, uninterrupted = async_whole
+    raw = async_config()
     raw["ray"]["enabled"] = True
     with Coordinator(validate_config(raw), tmp_path / "run") as coord:
         victim = coord.pool.info()["b"]["pid"]
@@ -251,7 +260,8 @@ def test_a_separate_engine_needs_ray_the_hf_engine_and_a_full_model_agent_of_its
 
 
 def _placed(placement: str) -> dict:
-    raw = config(turns=2, ray=True, train={"steps": 4, "max_staleness": 1},
+    """Engines in the learners' processes (in this process: no Ray) or in processes of their own (Ray)."""
+    raw = config(turns=2, ray=placement == "separate", train={"steps": 4, "max_staleness": 1},
                  eval={"data": {"factory": f"{ENVS}:held_out"}, "every": 1})  # evaluations between planned versions
     for spec in raw["agents"].values():
         spec["rollout"] = {"placement": placement, **({"resources": {"num_cpus": 0.5}} if placement == "separate" else {})}
@@ -260,7 +270,8 @@ def _placed(placement: str) -> dict:
 
 def test_a_separate_engine_samples_in_its_own_process_the_version_its_learner_published(ray_cluster):
     """The engines of their own take each planned version from the object store: on the tiny model (float32) the
-    run's metrics equal those of engines in the learners' processes, update for update, with K = 1."""
+    run's metrics equal those of engines in the learners' processes (an in-process run's, as a Ray run's with
+    colocated engines are: tests/test_reliability.py), update for update, with K = 1."""
     runs = {}
     for placement in ("colocated", "separate"):
         with Coordinator(validate_config(_placed(placement)), None) as coord:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,8 +90,8 @@ def test_two_workers_update_to_the_parameters_of_one(two_workers, variant):
 STEPS = 3
 
 
-def raw_config(workers_a=1, ray=False, steps=STEPS):
-    raw = config(train={"steps": steps, "batch_size": 2, "num_generations": 3, "checkpoint_every": 1,
+def raw_config(workers_a=1, ray=False, steps=STEPS, agents=("a", "b")):
+    raw = config(agents, train={"steps": steps, "batch_size": 2, "num_generations": 3, "checkpoint_every": 1,
                         "keep_checkpoints": 5}, ray=ray)
     for agent in raw["agents"].values():
         agent["resources"] = {"num_cpus": 0.25}
@@ -112,13 +113,15 @@ def assert_same_metrics(metrics, reference):
 
 @pytest.fixture(scope="module")
 def one_worker_each(tmp_path_factory):
-    """Metrics of the reference run: every agent on one worker, in-process, STEPS + 2 steps."""
-    return uninterrupted_rows(validate_config(raw_config(steps=STEPS + 2)), tmp_path_factory.mktemp("one-worker-each"))
+    """Metrics of the reference run: agent 'a' alone (every process the Ray runs below start costs seconds), on one
+    worker, in-process, STEPS + 2 steps."""
+    return uninterrupted_rows(validate_config(raw_config(steps=STEPS + 2, agents=("a",))),
+                              tmp_path_factory.mktemp("one-worker-each"))
 
 
 def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_one(ray_cluster, tmp_path,
                                                                                    one_worker_each):
-    with Coordinator(validate_config(raw_config(workers_a=2, ray=True)), tmp_path) as coord:
+    with Coordinator(validate_config(raw_config(workers_a=2, ray=True, agents=("a",))), tmp_path) as coord:
         group = coord.pool.info()["a"]["workers"]
         assert len({w["pid"] for w in group}) == 2
         victim = group[1]["pid"]
@@ -148,8 +151,7 @@ from protocols.config import validate_config
 from tests.dp_workers import die_in_a_collective
 from tests.test_workers import raw_config
 
-raw = raw_config(workers_a=2, ray=True)
-raw["ray"]["num_cpus"] = 2
+raw = raw_config(workers_a=2, ray=True, agents=("a",))
 with Coordinator(validate_config(raw)) as coord:
     try:
         die_in_a_collective(coord.pool)
@@ -160,10 +162,11 @@ with Coordinator(validate_config(raw)) as coord:
 """
 
 
-def test_a_worker_dying_in_a_collective_fails_its_peer_quietly():
-    # as a user's driver runs it (Ray's log lines reach its stderr), not under the tests' shared cluster
+def test_a_worker_dying_in_a_collective_fails_its_peer_quietly(join_ray_cluster):
+    # as a user's driver runs it (Ray's log lines reach its stderr: it is a driver of its own, which joins the
+    # session's cluster rather than start one)
     done = subprocess.run([sys.executable, "-c", _DIE_IN_A_COLLECTIVE], capture_output=True, text=True, timeout=300,
-                          cwd=REPO)
+                          cwd=REPO, env={**os.environ, **join_ray_cluster})
     assert "agent 'a': update failed: worker 1 of 2: its process died" in done.stdout, done
     assert "Unhandled error" not in done.stderr and "Connection reset by peer" not in done.stderr, done.stderr
 
