@@ -10,7 +10,7 @@ later, but the two agents stay about a minute, their parent now pid 1.
 small process in a session of its own (a signal to the driver's process group does not reach it). It knows
 the cluster's processes exactly: the driver's children whose command line names the cluster's session
 directory, and every descendant of those, each by pid and start time, so a reused pid is never taken for
-one of them. It rescans twice a second while the driver lives. When the driver is gone it stops (SIGSTOP)
+one of them; `watch` returns once this first scan is done. It rescans twice a second while the driver lives. When the driver is gone it stops (SIGSTOP)
 each of them still alive, rescans for children they started meanwhile until none is new, then kills them
 all (SIGKILL) and exits. When the cluster's own processes end while the driver lives (`ray.shutdown()`),
 it gives any remaining descendant a grace period, kills what is left and exits.
@@ -37,11 +37,14 @@ Key = tuple[int, int]  # (pid, start time in clock ticks since boot): one proces
 
 
 def watch(session_dir: str) -> subprocess.Popen | None:
-    """Start the watcher for the cluster whose session directory is `session_dir`; None where there is no /proc."""
+    """Start the watcher for the cluster whose session directory is `session_dir`, and return once it knows the
+    cluster's processes (a driver killed right after this still has its cluster ended); None where there is no /proc."""
     if not Path("/proc/self/stat").exists():
         return None
     proc = subprocess.Popen([sys.executable, "-I", "-S", __file__, str(os.getpid()), session_dir],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
+    proc.stdout.readline()  # its first scan is done ("" if it ended without one)
+    proc.stdout.close()
     threading.Thread(target=proc.wait, name="marsi-ray-reaper", daemon=True).start()  # no zombie when it ends
     return proc
 
@@ -134,8 +137,10 @@ def _signal(pid: int, sig: int) -> None:
 # ------------------------------------------------------------------------------------------- the watcher
 def run(driver: int, session_dir: str) -> int:
     """Watch the cluster of `session_dir` started by `driver`; end its processes if the driver dies first."""
-    roots = cluster_roots(driver, session_dir, process_table())
-    known = set(roots)
+    table = process_table()
+    roots = cluster_roots(driver, session_dir, table)
+    known = with_descendants(roots, table)
+    print("scanned", flush=True)  # `watch` returns now: every process of the cluster is known
     while known:
         if os.getppid() != driver:  # the driver is gone: this process has a new parent
             _report_orphaned(driver, end_all(known))

@@ -84,16 +84,14 @@ DRIVER = textwrap.dedent("""
                              "import subprocess, sys, time; subprocess.Popen(sys.argv[2:]); time.sleep(600)",
                              session, *sleep], stderr=subprocess.DEVNULL)
     other = subprocess.Popen(sleep, stderr=subprocess.DEVNULL)  # only the watcher writes to the test's pipe
-    while not any(ppid == root.pid for ppid, _ in reaper.process_table().values()):
+    while not (grandchild := [pid for pid, (ppid, _) in reaper.process_table().items() if ppid == root.pid]):
         time.sleep(0.1)  # as after ray.init(): the cluster's processes are up
     watcher = reaper.watch(session)
-    print(root.pid, other.pid, watcher.pid, flush=True)
-    if mode == "shutdown":
-        time.sleep(3)  # the watcher has scanned the tree
+    print(root.pid, grandchild[0], other.pid, watcher.pid, flush=True)
+    if mode == "shutdown":  # watch() returned: the watcher has scanned the tree
         root.kill()
         root.wait()
     if mode == "vanish":  # the driver dies; its cluster notices and ends itself at once, as Ray's GCS does
-        time.sleep(1.5)
         os._exit(0)
     time.sleep(600)
 """)
@@ -105,16 +103,14 @@ def start_driver(tmp_path, mode: str):
     script.write_text(DRIVER.format(repo=str(REPO), sleep=SLEEP))
     driver = subprocess.Popen([sys.executable, str(script), session, mode], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
-    root, other, watcher = map(int, driver.stdout.readline().split())
-    return session, driver, root, other, watcher
+    root, grandchild, other, watcher = map(int, driver.stdout.readline().split())
+    return session, driver, root, grandchild, other, watcher
 
 
 def test_the_watcher_ends_the_cluster_of_a_killed_driver_and_nothing_else(tmp_path):
-    session, driver, root, other, watcher = start_driver(tmp_path, "wait")
-    grandchild = descendants(root).pop()
+    session, driver, root, grandchild, other, watcher = start_driver(tmp_path, "wait")
     bystander = subprocess.Popen([*SLEEP, session])  # names the session too, but no driver started it
-    try:
-        time.sleep(1.5)  # the watcher has scanned the cluster's tree at least once
+    try:  # no wait: watch() returned once the watcher had scanned the cluster's tree
         driver.kill()
         driver.wait()
         wait_until(lambda: not live(root) and not live(grandchild), 10, "the cluster processes outlived the driver")
@@ -127,8 +123,7 @@ def test_the_watcher_ends_the_cluster_of_a_killed_driver_and_nothing_else(tmp_pa
 
 
 def test_the_watcher_exits_when_the_cluster_is_shut_down_and_the_driver_lives(tmp_path):
-    session, driver, root, other, watcher = start_driver(tmp_path, "shutdown")
-    grandchild = descendants(root).pop()
+    session, driver, root, grandchild, other, watcher = start_driver(tmp_path, "shutdown")
     try:
         wait_until(lambda: not live(root), 10, "the driver did not end its cluster process")
         wait_until(lambda: not live(watcher), 20, "the watcher outlived the cluster")
@@ -141,7 +136,7 @@ def test_the_watcher_exits_when_the_cluster_is_shut_down_and_the_driver_lives(tm
 def test_the_watcher_says_so_when_the_driver_died_after_its_cluster_ended(tmp_path):
     """Ray's own processes notice a dead driver and may end before the watcher scans again (under load, often): the
     watcher reports the dead driver whichever went first."""
-    session, driver, root, other, watcher = start_driver(tmp_path, "vanish")
+    session, driver, root, _, other, watcher = start_driver(tmp_path, "vanish")
     try:
         driver.wait(timeout=30)
         wait_until(lambda: not live(watcher), 20, "the watcher outlived its driver and cluster")
