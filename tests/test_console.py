@@ -11,7 +11,7 @@ import subprocess
 
 from orchestrator.console import PlainProgress, progress
 from tests.envs import HERE, config
-from tests.runs import MARSI, marsi, write
+from tests.runs import MARSI, write
 
 
 def test_plain_progress_writes_a_line_every_few_steps_and_at_the_last():
@@ -36,9 +36,12 @@ def test_the_bar_is_tqdm_on_a_terminal_and_plain_lines_elsewhere():
 
 
 def test_a_piped_run_says_each_start_up_phase_and_writes_no_bar_fragments(tmp_path):
+    """In the test's process (tests/inproc.py), its stdout and stderr strings, not a terminal, as a pipe is not."""
+    from tests.inproc import marsi as here
+
     raw = config(train={"steps": 4, "progress": True})
     raw["eval"] = {"data": {"factory": f"{HERE / 'envs.py'}:held_out"}}
-    out = marsi("run", write(tmp_path, raw), "--run-dir", tmp_path / "run")
+    out = here("run", write(tmp_path, raw), "--run-dir", tmp_path / "run")
     assert out.returncode == 0, out.stderr
     said = [line for line in out.stdout.splitlines() if line.startswith("marsi: ")]
     assert any(line.startswith("marsi: 2 trainer(s) up; model load a ") and line.endswith(" s)") for line in said), said
