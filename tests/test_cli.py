@@ -157,7 +157,7 @@ def test_run_joins_a_separately_started_cluster(tmp_path):
                              env=ray_env).returncode:
             assert time.time() < deadline and head.poll() is None, "ray head did not come up"
             time.sleep(1)
-        cfg = write(tmp_path, config(ray=True, train={"steps": 1}))
+        cfg = write(tmp_path, config(("a",), ray=True, train={"steps": 1}))  # one trainer to place is enough
         out = marsi("run", cfg, "--run-dir", tmp_path / "run", env={"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"})
         assert out.returncode == 0, out.stderr
         assert f"joined the Ray cluster at {address}" in out.stderr
