@@ -45,16 +45,12 @@ def _captured(argv: list[str]) -> tuple[int, str, str]:
 
 
 def run_cases(cases: list[dict]) -> list[dict]:
+    from tests.inproc import environment
+
     results = []
     for case in cases:
-        saved = {k: os.environ.get(k) for k in case["env"]}
-        for k, v in case["env"].items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        try:
+        with environment(case["env"]):
             code, out, err = _captured(case["argv"])
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         ray = sys.modules.get("ray")
         results.append({"returncode": code, "stdout": out, "stderr": err,
                         "ray_initialized": bool(ray and ray.is_initialized())})
