@@ -19,7 +19,7 @@ from protocols.env_checker import EnvCheckError, check_env
 from protocols.messages import Completion
 from tests.envs import HERE, AttemptsEnv, FaultyAttemptsEnv, attempts_config, letters
 from tests.errors_doc import assert_documented
-from tests.runs import killed_and_resumed, marsi, rows, uninterrupted_rows, write
+from tests.runs import killed_and_resumed, rows, uninterrupted_rows, write
 
 SEATS = {"proposer": "p", "solver": "s"}
 HELD_OUT = {"factory": f"{HERE / 'envs.py'}:held_out"}
@@ -237,7 +237,10 @@ def test_algorithm_agents_names_defined_agents():
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
     """3 steps on builtin:tiny through `marsi run`, 2 attempts per prompt (roles.attempts over the environment's 3),
-    evaluated with pass@k over them, every episode's transcript kept; then `marsi report`."""
+    evaluated with pass@k over them, every episode's transcript kept; then `marsi report`. Both in the test's process
+    (tests/inproc.py); their subprocess runs are in test_cli.py and test_report.py."""
+    from tests.inproc import marsi
+
     tmp = tmp_path_factory.mktemp("attempts")
     raw = attempts_config(train={"steps": 3, "transcripts_per_step": 4},
                           eval={"data": HELD_OUT, "temperature": 1.0, "pass_k": [1, 2]})

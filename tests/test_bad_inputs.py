@@ -236,8 +236,9 @@ def test_numpy_rewards_are_accepted(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------- found before anything starts
-# `marsi` in a subprocess that would start a local Ray cluster (ray.enabled, no RAY_ADDRESS) in RAY_TMPDIR: each case
-# is one line on stderr, nothing on stdout, exit 2, no Ray session, and the test's directory as it was.
+# `marsi` in a fresh process, that would start a local Ray cluster (ray.enabled, no RAY_ADDRESS) in RAY_TMPDIR: each
+# case is one line on stderr, nothing on stdout, exit 2, no Ray session, and the test's directory as it was. The cases
+# run one after another in one process (tests/one_process.py), that process's Ray never started.
 
 def _ray_cfg(tmp_path, edit=None, *, ray=True, name="run.yaml", evaluating=False):
     raw = config(ray=ray, train={"steps": 1})
@@ -348,22 +349,44 @@ def _files(root):
                   if "__pycache__" not in p.parts)
 
 
+OWN_PROCESS = {"run_hub_model", "validate_hub_model"}
+"""Cases that need a process of their own: huggingface_hub reads HF_HOME (the cache named in the message) once, when
+it is imported. The others share one fresh process (tests/one_process.py), one case after another."""
+
+
+@pytest.fixture(scope="module")
+def before_start(tmp_path_factory):
+    """name -> (the case's directory, its files before marsi ran, marsi's result): each case in a fresh process that has
+    started no Ray, with RAY_TMPDIR in the case's directory, RAY_ADDRESS unset and HF_HOME an empty place."""
+    from tests.one_process import marsi_cases
+
+    base = tmp_path_factory.mktemp("before-start")
+    hf_home = base / "hf"
+    prepared, groups = {}, {}
+    for name, _, make_argv, variables, *_ in BEFORE_START:
+        tmp_path = base / name
+        tmp_path.mkdir()
+        argv = make_argv(tmp_path)
+        prepared[name] = (tmp_path, _files(tmp_path))
+        env = {"RAY_TMPDIR": str(tmp_path / "ray"), "RAY_ADDRESS": None, **variables}
+        process = {"HF_HOME": str(tmp_path / "hf")} if name in OWN_PROCESS else {"HF_HOME": str(hf_home)}
+        groups.setdefault(name if name in OWN_PROCESS else "", []).append((name, {"argv": argv, "env": env}, process))
+    done = {}
+    for key, cases in groups.items():
+        results = marsi_cases([case for _, case, _ in cases], base / f"cases-{key or 'shared'}", env=cases[0][2])
+        done.update({name: result for (name, _, _), result in zip(cases, results)})
+    assert not hf_home.exists()  # nothing was fetched or cached
+    return {name: (*prepared[name], done[name]) for name in prepared}
+
+
 @pytest.mark.parametrize("name, case, make_argv, variables, words", [(*c, {})[:5] for c in BEFORE_START],
                          ids=[c[0] for c in BEFORE_START])
-def test_bad_input_fails_before_anything_starts(name, case, make_argv, variables, words, tmp_path):
-    import os
-    import subprocess
-
-    argv = make_argv(tmp_path)
+def test_bad_input_fails_before_anything_starts(name, case, make_argv, variables, words, before_start):
+    tmp_path, before, out = before_start[name]
     values = {k: v.replace("<tmp>", str(tmp_path)) for k, v in words.items()}
-    before = _files(tmp_path)
-    env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray"), "HF_HOME": str(tmp_path / "hf")}
-    env = {k: v for k, v in {**env, "RAY_ADDRESS": None, **variables}.items() if v is not None}
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", *argv], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert out.returncode == 2, out.stderr
-    assert out.stderr.count("\n") == 1 and out.stdout == "", (out.stdout, out.stderr)
-    assert_documented(case, out.stderr, exit=out.returncode, tmp=tmp_path, **values)
-    assert "hunter2" not in out.stderr  # a value written into ray.forward_env by mistake is not echoed
-    assert not (tmp_path / "ray").exists()  # no Ray session was started
+    assert out["returncode"] == 2, out["stderr"]
+    assert out["stderr"].count("\n") == 1 and out["stdout"] == "", (out["stdout"], out["stderr"])
+    assert_documented(case, out["stderr"], exit=out["returncode"], tmp=tmp_path, **values)
+    assert "hunter2" not in out["stderr"]  # a value written into ray.forward_env by mistake is not echoed
+    assert not out["ray_initialized"] and not (tmp_path / "ray").exists()  # no Ray session was started
     assert _files(tmp_path) == before and not (tmp_path / "out").exists()

@@ -75,10 +75,13 @@ def test_run_writes_a_complete_run_directory_and_resume_continues_it(tmp_path):
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path):
+    """In this process (tests/inproc.py): the subprocess runs of run and resume are the test above."""
+    from tests.inproc import marsi as here
+
     raw = config(train={"steps": 3, "checkpoint_every": 1})
-    assert marsi("run", write(tmp_path, raw), "--run-dir", tmp_path / "whole").returncode == 0
-    assert marsi("run", write(tmp_path, raw), "train.steps=1", "--run-dir", tmp_path / "cut").returncode == 0
-    out = marsi("resume", tmp_path / "cut", "train.steps=3")
+    assert here("run", write(tmp_path, raw), "--run-dir", tmp_path / "whole").returncode == 0
+    assert here("run", write(tmp_path, raw), "train.steps=1", "--run-dir", tmp_path / "cut").returncode == 0
+    out = here("resume", tmp_path / "cut", "train.steps=3")
     assert out.returncode == 0, out.stderr
     assert without_times(metrics(tmp_path / "cut")) == without_times(metrics(tmp_path / "whole"))
     assert "; 3 steps (2 this time), " in out.stdout, out.stdout  # all the run's steps, and the resumed part's
@@ -124,6 +127,11 @@ def test_bad_config_gives_one_line_and_exit_2(tmp_path):
     assert out.stderr.count("\n") == 1 and "train.stepz: unknown key" in out.stderr and "Traceback" not in out.stderr
 
 
+def _accepts(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -142,24 +150,31 @@ def test_run_joins_a_separately_started_cluster(tmp_path):
     try:
         address = f"127.0.0.1:{port}"
         deadline = time.time() + 60
+        while not _accepts(port):  # a connect costs nothing; each `ray status` starts a Python
+            assert time.time() < deadline and head.poll() is None, "ray head did not come up"
+            time.sleep(0.2)
         while subprocess.run([str(ray_bin), "status", f"--address={address}"], capture_output=True,
                              env=ray_env).returncode:
             assert time.time() < deadline and head.poll() is None, "ray head did not come up"
             time.sleep(1)
-        cfg = write(tmp_path, config(ray=True, train={"steps": 1}))
+        cfg = write(tmp_path, config(("a",), ray=True, train={"steps": 1}))  # one trainer to place is enough
         out = marsi("run", cfg, "--run-dir", tmp_path / "run", env={"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"})
         assert out.returncode == 0, out.stderr
         assert f"joined the Ray cluster at {address}" in out.stderr
         assert len(metrics(tmp_path / "run")) == 1
-        # a custom resource no node has: one line, nothing before it, from run and validate alike
+        # a custom resource no node has: one line, nothing before it, from run and validate alike (one after the
+        # other in one new process, tests/one_process.py: each joins the cluster for the check and leaves it)
+        from tests.one_process import marsi_cases
+
         raw = config(ray=True, train={"steps": 1})
         raw["agents"]["b"]["resources"]["custom"] = {"marsi_test": 1}
-        for command in (["run", write(tmp_path, raw), "--run-dir", tmp_path / "refused"], ["validate", write(tmp_path, raw)]):
-            out = marsi(*command, env={"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"})
-            assert out.returncode == 2 and out.stdout == "", out.stdout
-            assert out.stderr == ("marsi: error: agents.b.resources.custom 'marsi_test': no node of the Ray cluster has it "
-                                  "(custom resources and GPU types here: none); start a node with it (ray start "
-                                  "--resources=...) or change the setting\n")
+        commands = (["run", write(tmp_path, raw), "--run-dir", tmp_path / "refused"], ["validate", write(tmp_path, raw)])
+        for out in marsi_cases([{"argv": list(map(str, c)), "env": {}} for c in commands], tmp_path / "cases",
+                               env={"RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"}):
+            assert out["returncode"] == 2 and out["stdout"] == "" and not out["ray_initialized"], out["stdout"]
+            assert out["stderr"] == ("marsi: error: agents.b.resources.custom 'marsi_test': no node of the Ray cluster "
+                                     "has it (custom resources and GPU types here: none); start a node with it (ray "
+                                     "start --resources=...) or change the setting\n")
         assert not (tmp_path / "refused").exists()
     finally:
         head.terminate()
@@ -168,7 +183,9 @@ def test_run_joins_a_separately_started_cluster(tmp_path):
 
 
 def test_overrides_may_follow_options(tmp_path):
-    out = marsi("validate", write(tmp_path, config(train={"steps": 5})), "--steps", "3", "train.steps=1")
+    from tests.inproc import marsi as here
+
+    out = here("validate", write(tmp_path, config(train={"steps": 5})), "--steps", "3", "train.steps=1")
     assert out.returncode == 0, out.stderr
     assert "step 1:" in out.stdout and "step 2:" not in out.stdout
 

@@ -11,7 +11,7 @@ import subprocess
 
 from orchestrator.console import PlainProgress, progress
 from tests.envs import HERE, config
-from tests.runs import MARSI, marsi, write
+from tests.runs import MARSI, write
 
 
 def test_plain_progress_writes_a_line_every_few_steps_and_at_the_last():
@@ -36,9 +36,12 @@ def test_the_bar_is_tqdm_on_a_terminal_and_plain_lines_elsewhere():
 
 
 def test_a_piped_run_says_each_start_up_phase_and_writes_no_bar_fragments(tmp_path):
+    """In the test's process (tests/inproc.py), its stdout and stderr strings, not a terminal, as a pipe is not."""
+    from tests.inproc import marsi as here
+
     raw = config(train={"steps": 4, "progress": True})
     raw["eval"] = {"data": {"factory": f"{HERE / 'envs.py'}:held_out"}}
-    out = marsi("run", write(tmp_path, raw), "--run-dir", tmp_path / "run")
+    out = here("run", write(tmp_path, raw), "--run-dir", tmp_path / "run")
     assert out.returncode == 0, out.stderr
     said = [line for line in out.stdout.splitlines() if line.startswith("marsi: ")]
     assert any(line.startswith("marsi: 2 trainer(s) up; model load a ") and line.endswith(" s)") for line in said), said
@@ -70,19 +73,25 @@ def test_the_numa_notice_vllms_cpp_code_prints_on_fd_2_is_dropped_and_every_othe
 
 def test_a_process_started_inside_the_filter_that_keeps_fd_2_open_does_not_hold_the_caller(capfd):
     """A child that inherits the pipe as its stderr keeps it open past the filter's end: the caller goes on within
-    seconds and the child's lines still pass."""
+    seconds and the child's lines still pass. The child waits for a line from the test: the caller going on is seen
+    as the child still running, whatever the machine's load."""
     import subprocess
-    import time
+    import threading
 
     from agent_trainer.engine_vllm import _without_c_notices
 
-    began = time.perf_counter()
     with _without_c_notices():
-        child = subprocess.Popen(["sh", "-c", "sleep 8; echo from-the-child >&2"])
-    assert time.perf_counter() - began < 7
+        child = subprocess.Popen(["sh", "-c", "read line; echo from-the-child >&2"], stdin=subprocess.PIPE)
+        release = threading.Timer(120, child.stdin.close)  # were the caller held until the child ends: it ends then
+        release.start()
+        [pump] = [t for t in threading.enumerate() if t.name == "marsi-stderr-filter"]
+    running = child.poll() is None
+    release.cancel()
+    child.stdin.close()
     child.wait()
-    time.sleep(0.2)
-    assert "from-the-child" in capfd.readouterr().err
+    assert running  # the filter ended while the child, which holds the pipe open, still ran
+    pump.join(timeout=120)  # the child's exit closes the pipe: its lines are passed on, then the thread ends
+    assert not pump.is_alive() and "from-the-child" in capfd.readouterr().err
 
 
 def test_vllms_triton_notice_is_filtered_on_its_logger_and_its_other_records_are_not(monkeypatch, caplog):

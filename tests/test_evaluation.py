@@ -16,6 +16,7 @@ from orchestrator.evaluation import compare, pass_at_k, summarise
 from protocols.config import ConfigError, validate_config
 from protocols.env import Environment
 from tests.envs import HERE, config
+from tests.inproc import marsi as here
 from tests.runs import MARSI, marsi, rows, without_times, write
 
 HELD_OUT = {"factory": f"{HERE / 'envs.py'}:held_out"}
@@ -188,15 +189,16 @@ def test_a_kill_during_evaluation_resumes_to_the_same_records(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert [r["step"] for r in eval_rows(run_dir)] == [0]  # killed before step 1's evaluation was logged
-    out = marsi("resume", run_dir)
+    out = here("resume", run_dir)  # in this process: what matters is the killed one
     assert out.returncode == 0, out.stderr
     assert without_times(rows(run_dir)) == without_times(rows(tmp_path / "whole"))
 
 
 # --------------------------------------------------------------------------------------- marsi eval
 def test_marsi_eval_on_a_finished_run_and_on_a_config(tmp_path):
+    """The first `marsi eval` in a subprocess, as a user runs it; the run and the other two in this process."""
     raw = with_eval(config(train={"steps": 2}), episodes_per_sample=2)
-    assert marsi("run", write(tmp_path, raw), "--run-dir", tmp_path / "run").returncode == 0
+    assert here("run", write(tmp_path, raw), "--run-dir", tmp_path / "run").returncode == 0
     out = marsi("eval", tmp_path / "run", "--compare", "initial", "last")
     assert out.returncode == 0, out.stderr
     assert "reward/mean last (step 2) - initial: " in out.stdout and "95% CI" in out.stdout
@@ -206,11 +208,11 @@ def test_marsi_eval_on_a_finished_run_and_on_a_config(tmp_path):
     written = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [w["checkpoint"] for w in written] == ["initial", "last"] and len(written[0]["episodes"][""]["reward/mean"]) == 8
     assert [w["step"] for w in written] == [0, 2]
-    out = marsi("eval", tmp_path / "run", "--compare", "initial", "last", "--metric", "episode/hits",
-                "eval.partners={b_initial: {b: initial}}")
+    out = here("eval", tmp_path / "run", "--compare", "initial", "last", "--metric", "episode/hits",
+               "eval.partners={b_initial: {b: initial}}")
     assert out.returncode == 0 and "episode/hits last (step 2) - initial: " in out.stdout, out.stderr
     assert "b_initial: episode/hits last (step 2) - initial: " in out.stdout  # a by itself, beside b as it began
-    out = marsi("eval", write(tmp_path, raw, "alone.yaml"))
+    out = here("eval", write(tmp_path, raw, "alone.yaml"))
     assert out.returncode == 0, out.stderr
     table = [line for line in out.stdout.splitlines() if not line.startswith("marsi: ")]
     assert table[1].split()[:2] == ["initial", "8"]
@@ -233,9 +235,9 @@ def test_bad_eval_settings_get_one_line(tmp_path):
     overlapping["eval"]["data"] = {"factory": f"{HERE / 'envs.py'}:letters"}
     with pytest.raises(ConfigError, match=r"eval.data: 8 of its 8 samples are training samples too .*hold them out"):
         Coordinator(validate_config(overlapping))
-    out = marsi("run", write(tmp_path, with_eval(config(), every_steps=2)))
+    out = here("run", write(tmp_path, with_eval(config(), every_steps=2)))
     assert out.returncode == 2 and "eval.every_steps: unknown key; allowed keys here: data, every" in out.stderr
-    out = marsi("run", write(tmp_path, with_eval(config(), pass_k=[4])))
+    out = here("run", write(tmp_path, with_eval(config(), pass_k=[4])))
     assert out.returncode == 2 and "eval.pass_k: k=4 needs 1 <= k <= eval.episodes_per_sample (1)" in out.stderr
-    out = marsi("run", write(tmp_path, with_eval(config(), partners={"x": {"zed": "initial"}})))
+    out = here("run", write(tmp_path, with_eval(config(), partners={"x": {"zed": "initial"}})))
     assert out.returncode == 2 and "eval.partners.x: agent 'zed' is not defined" in out.stderr

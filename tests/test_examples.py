@@ -105,27 +105,38 @@ def test_check_env_plays_junk_at_each_turn_after_well_formed_turns():
         check_env(relay(), [{}], action_fn=import_object(f"{FIXTURES / 'number_relay.py'}:sample_action"))
 
 
-def test_custom_coordinator_script_runs_and_resumes_exactly(ray_cluster, tmp_path):
+def test_custom_coordinator_script_runs_and_resumes_exactly(ray_cluster, tmp_path, monkeypatch, capsys):
+    """The script as a user runs it (`python examples/custom_coordinator.py 3`, a driver joining the session's
+    cluster through RAY_ADDRESS, as on a running cluster); then, run in this process (already joined) to save two
+    starts of Python and Ray, its first 2 steps and their resume to step 3, which must repeat the whole run exactly.
+    `marsi report | plot | eval` read its run directory (here, in this process; their subprocess runs are in
+    tests/test_cli.py, test_report.py, test_evaluation.py and test_storage.py)."""
     import os
+    import runpy
     import subprocess
     import sys
 
     import ray
 
-    from tests.runs import MARSI
+    from tests.inproc import marsi
 
-    # each run of the script joins the session's cluster (RAY_ADDRESS), as a driver on a running cluster does
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    def lines(stdout):
+        return [line for line in stdout.splitlines() if line.startswith(("step", "run dir"))]
 
-    def script(*args, cwd):
-        out = subprocess.run([sys.executable, str(EXAMPLES / "custom_coordinator.py"), *map(str, args)], cwd=cwd,
-                             capture_output=True, text=True, timeout=300, env=env)
-        assert out.returncode == 0, out.stderr
-        return [line for line in out.stdout.splitlines() if line.startswith(("step", "run dir"))]
+    def script_here(*args, cwd):
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", [str(EXAMPLES / "custom_coordinator.py"), *map(str, args)])
+        capsys.readouterr()
+        runpy.run_path(str(EXAMPLES / "custom_coordinator.py"), run_name="__main__")
+        return lines(capsys.readouterr().out)
 
     (tmp_path / "whole").mkdir()
     (tmp_path / "cut").mkdir()
-    whole = script(3, cwd=tmp_path / "whole")
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    out = subprocess.run([sys.executable, str(EXAMPLES / "custom_coordinator.py"), "3"], cwd=tmp_path / "whole",
+                         capture_output=True, text=True, timeout=900, env=env)  # a hang guard, loose: a loaded machine
+    assert out.returncode == 0, out.stderr
+    whole = lines(out.stdout)
     assert [line.split()[5] for line in whole[:3]] == ["alice", "bob", "alice"]
     # its records are a run's: what run() logs, a spread of episodes, an evaluation; plot, report and eval read them
     [run] = (tmp_path / "whole" / "runs").glob("custom-coordinator-*")
@@ -137,15 +148,18 @@ def test_custom_coordinator_script_runs_and_resumes_exactly(ray_cluster, tmp_pat
     kept = [json.loads(line) for line in (run / "transcripts.jsonl").read_text().splitlines()]
     assert [(t["step"], t["sample"]) for t in kept] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
     assert [a["role"] for turn in kept[0]["turns"] for a in turn["actions"]] == ["speaker", "listener"]
-    for command in (["report", run], ["plot", run], ["eval", run, "eval.max_samples=2", "eval.episodes_per_sample=1"]):
-        out = subprocess.run([*MARSI, *map(str, command)], capture_output=True, text=True, timeout=300, env=env)
-        assert out.returncode == 0, out.stderr
+    for command in (["report", run], ["plot", run],  # eval's trainers in this process: its checkpoints, not Ray's
+                    ["eval", run, "eval.max_samples=2", "eval.episodes_per_sample=1", "ray.enabled=false"]):
+        done = marsi(*command)
+        assert done.returncode == 0, done.stderr
+    assert (run / "reward.png").is_file()
+    assert [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()] == [3]
     page = (run / "report.html").read_text()
     assert "loss per agent" in page and '"kind": "train"' in page and "step 3" in page
-    first = script(2, cwd=tmp_path / "cut")
+    first = script_here(2, cwd=tmp_path / "cut")
     [run_dir] = (tmp_path / "cut" / "runs").glob("custom-coordinator-*")  # a new directory per run
     assert (run_dir / "checkpoints" / "step-000002" / "agents" / "bob").is_dir()
-    rest = script(3, run_dir, cwd=tmp_path / "cut")
+    rest = script_here(3, run_dir, cwd=tmp_path / "cut")
     assert first[:2] + rest[:1] == whole[:3]  # the same rewards and losses, step for step
     assert rest[1].split("reward_ema:")[1] == whole[3].split("reward_ema:")[1]  # and the loop's own state
 

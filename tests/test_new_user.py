@@ -10,7 +10,9 @@ import pytest
 from orchestrator.coordinator import Coordinator
 from protocols.config import ConfigError, load_config, validate_config
 from tests.envs import HERE, config
-from tests.runs import marsi, write
+from tests.inproc import marsi
+from tests.runs import marsi as subprocess_marsi
+from tests.runs import write
 
 # ----------------------------------------------------------------------------------------- validate
 def test_validate_catches_a_misspelt_role(tmp_path):
@@ -26,7 +28,7 @@ def test_validate_catches_a_request_larger_than_the_local_cluster(tmp_path):
     for agent in raw["agents"].values():
         agent["resources"] = {"num_cpus": 1}
     raw["ray"]["num_cpus"] = 2
-    out = marsi("validate", write(tmp_path, raw))
+    out = subprocess_marsi("validate", write(tmp_path, raw))  # a process not connected to Ray: the local cluster
     assert out.returncode == 2
     assert ("agents ask for 3 CPUs in all (a: 1, b: 1, c: 1) but the local cluster has 2; lower "
             "agents.NAME.resources.num_cpus") in out.stderr
@@ -122,10 +124,10 @@ def test_a_hub_model_in_the_local_cache_validates_offline_and_one_missing_is_nam
     raw = config()
     raw["agents"]["a"]["model"] = "marsi-test/tiny"
     offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    out = marsi("validate", write(tmp_path, raw), env=offline)
+    out = subprocess_marsi("validate", write(tmp_path, raw), env=offline)  # HF_HOME is read at import: a new process
     assert out.returncode == 0, out.stderr
     raw["agents"]["b"]["model"] = "marsi-test/other"
-    out = marsi("validate", write(tmp_path, raw), env=offline)
+    out = subprocess_marsi("validate", write(tmp_path, raw), env=offline)
     assert out.returncode == 2 and out.stderr.startswith(
         f"marsi: error: {tmp_path}/run.yaml: agents.b.model: 'marsi-test/other' is not in the local Hugging Face "
         f"cache ({tmp_path}/hf/hub) and HF_HUB_OFFLINE is set"), out.stderr

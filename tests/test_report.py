@@ -15,7 +15,9 @@ import pytest
 
 from tests.envs import HERE, config
 from tests.errors_doc import assert_documented
-from tests.runs import marsi, write
+from tests.inproc import marsi
+from tests.runs import marsi as subprocess_marsi
+from tests.runs import write
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -24,7 +26,8 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on PAT
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A 3-step run of two agents with evaluation, every training episode kept, and its report."""
+    """A 3-step run of two agents with evaluation, every training episode kept, and its report (`marsi report` in a
+    subprocess, as a user runs it; the run and the other reports of this file in the test's process)."""
     tmp = tmp_path_factory.mktemp("report")
     raw = config(train={"steps": 3, "batch_size": 2, "num_generations": 4, "transcripts_per_step": 8, "progress": False})
     raw["eval"] = {"data": {"factory": f"{HERE / 'envs.py'}:held_out"}, "episodes_per_sample": 2, "temperature": 1.0,
@@ -33,7 +36,7 @@ def run(tmp_path_factory):
         agent["generation"]["temperature"] = 1.0
     out = marsi("run", write(tmp, raw), "--run-dir", tmp / "run")
     assert out.returncode == 0, out.stderr
-    out = marsi("report", tmp / "run")
+    out = subprocess_marsi("report", tmp / "run")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(tmp / "run" / "report.html")
     return tmp / "run"

@@ -259,10 +259,14 @@ def test_a_renamed_run_directory_finds_its_place_in_storage(tmp_path, node_tmp):
 @pytest.mark.subprocess
 def test_every_command_takes_the_runs_place_in_storage(tmp_path):
     """`marsi resume | eval | export | plot | report` given STORAGE/RUN_NAME alone, the run directory gone; a short
-    step name (step-1) names a checkpoint; `marsi eval`'s rows go to the store."""
+    step name (step-1) names a checkpoint; `marsi eval`'s rows go to the store. export runs in a subprocess (its
+    only one); the others in this process (tests/inproc.py), their subprocess runs being in test_cli.py,
+    test_evaluation.py and test_report.py."""
     import shutil
 
-    from tests.runs import marsi, write
+    from tests.inproc import marsi
+    from tests.runs import marsi as subprocess_marsi
+    from tests.runs import write
     from tests.test_evaluation import with_eval
 
     store = f"file://{tmp_path}/store"
@@ -272,7 +276,7 @@ def test_every_command_takes_the_runs_place_in_storage(tmp_path):
     before = rows(tmp_path / "run")
     shutil.rmtree(tmp_path / "run")
     place = f"{store}/run"
-    out = marsi("export", place, "--agent", "a", "--out", tmp_path / "model", "--checkpoint", "step-1")
+    out = subprocess_marsi("export", place, "--agent", "a", "--out", tmp_path / "model", "--checkpoint", "step-1")
     assert out.returncode == 0 and "at step-000001" in out.stdout, out.stderr
     assert (tmp_path / "model" / "config.json").is_file()
     out = marsi("eval", place, "--checkpoint", "step-2")
