@@ -155,6 +155,7 @@ class _TrainerActor:
         torch.set_num_threads(threads)
         self.node = node_label(ray.get_runtime_context().get_node_id())
         self.host, self.error = None, None
+        self.group_store = None  # worker 0 of a data-parallel agent: its group's store, from open_store to join
         try:
             self.host = Host(host, config, updates, where=self.node)
         except TrainerStartError as exc:  # reported by info(), so the driver gets one clean line
@@ -167,17 +168,20 @@ class _TrainerActor:
         return self.host.call(agent, getattr(type(self.host.served[agent]), method), *args)
 
     def open_store(self, *, address: str, world_size: int, timeout_s: float) -> int:
-        """Worker 0 of a data-parallel agent: open its group's store at `address`; the port."""
+        """Worker 0 of a data-parallel agent: open its group's store at `address`, kept until it joins; the port."""
         from agent_trainer import workers
 
-        return workers.open_store(address=address, world_size=world_size, timeout_s=timeout_s)
+        self.group_store = workers.open_store(address=address, world_size=world_size, timeout_s=timeout_s)
+        return self.group_store.port
 
     def join_group(self, *, address: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """Join this host's (one) agent to its data-parallel group as worker `rank`."""
         from agent_trainer import workers
 
         (trainer,) = self.host.trainers.values()
-        workers.join(trainer, address=address, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s)
+        store, self.group_store = self.group_store, None
+        workers.join(trainer, address=address, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                     store=store)
 
     def info(self) -> dict[str, dict[str, Any]]:
         """Per agent of this host: its process, node, device, precision (`agent_trainer.precision.Precision` as a
