@@ -25,6 +25,7 @@ from agent_trainer.precision import emulation_warning
 from agent_trainer.storage import StorageError
 from orchestrator import rollout, runstore
 from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines
+from orchestrator.baselines import uses_critic
 from orchestrator.console import phase, progress
 from orchestrator.credit import CriticCredit
 from orchestrator.data import DataPosition, load_samples
@@ -104,7 +105,7 @@ class Coordinator:
         self.eval_results: list[tuple[int, EvalResult]] = []  # (step, result) of each evaluation run here, in order
         self.critics = critic_members(config)  # critic -> the agents it values (algorithm.baseline: critic)
         self.members = [*config.agents, *self.critics]  # what a checkpoint holds: every agent and critic
-        self.credit = CriticCredit(config) if self.critics else None
+        self.credit = CriticCredit(config) if uses_critic(config.algorithm) else None  # chosen once
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging, config.train.storage) if run_dir is not None else None
         self.pool: TrainerPool | None = None  # every agent's handle: self.pool[agent]
@@ -342,8 +343,8 @@ class Coordinator:
 
     def advantages(self, episodes: list[rollout.Episode]
                    ) -> tuple[dict[str, list[Experience]], dict[str, list[ValueTarget]]]:
-        """Each agent's experiences, and each critic's value targets (none without a critic): group or EMA
-        baselines (`orchestrator.advantages`), or the critics' values and GAE (`orchestrator.credit`)."""
+        """Each agent's experiences, and each critic's value targets (none without a critic): each agent's baseline
+        strategy (`orchestrator.baselines`), or the critics' values and GAE (`orchestrator.credit`)."""
         if self.credit is not None:
             return self.credit.score(episodes, self.values)
         return experiences_by_agent(episodes, self.config.algorithm, self.state.baselines), {}
