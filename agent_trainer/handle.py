@@ -115,11 +115,12 @@ class PoolHandle:
         return self.pool.info(self.pool.call_timeout)[self.member]
 
 
-def _handle_method(method: Callable) -> Callable:
+def _handle_method(served: type, method: Callable) -> Callable:
     def call(self: PoolHandle, *args: Any) -> Any:
         return self.pool._fan_out(method, {self.member: args}, self.pool.timeout_of(method))[self.member]
 
     call.__name__, call.__doc__ = method.__name__, method.__doc__
+    call.__qualname__ = f"{served.__name__}Handle.{method.__name__}"
     call.__annotations__ = dict(getattr(method, "__annotations__", {}))
     return call
 
@@ -127,7 +128,7 @@ def _handle_method(method: Callable) -> Callable:
 def handle_class(served: type) -> type[PoolHandle]:
     """The handle of members served as `served` (`Agent`, `Critic`): one method per method it declares
     (`agent_trainer.dispatch.register`), same name, same arguments."""
-    methods = {name: _handle_method(method) for name, method in declared_methods(served).items()}
+    methods = {name: _handle_method(served, method) for name, method in declared_methods(served).items()}
     return type(f"{served.__name__}Handle", (PoolHandle,), {"__doc__": f"A pool's handle on one {served.__name__}: "
                                                              f"{', '.join(methods)}.", **methods})
 
