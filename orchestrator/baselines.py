@@ -1,20 +1,21 @@
 """Baselines: how an agent's returns become advantages, one strategy per `algorithm.baseline`.
 
 A strategy (`Baseline`) gets one agent's scored actions of a batch (`advantages.scored_actions`: each one's
-return, its group and its seat) and answers each action's advantage; `BASELINES` names every strategy a
-config may choose for an agent (`algorithm.baseline`, or its own under `algorithm.agents`), looked up once per
-agent and batch by `baseline_for`. The maths of each: `orchestrator.advantages` and docs/rl-maths.md.
+return, its group and its seat) and answers each action's advantage. `strategies()` names every strategy a
+config may choose for an agent (`algorithm.baseline`, or its own under `algorithm.agents`); `baseline_for`
+looks one up, once per agent and batch. The maths of each: `orchestrator.advantages` and docs/rl-maths.md.
 
 `critic` is not among them: its advantages need the critics' values of every state, so a run with
 `algorithm.baseline: critic` scores its batches through `orchestrator.credit` instead (`uses_critic`).
 
 A new baseline is one file with one `Baseline` subclass (`orchestrator/baseline_rloo.py` is one), named in
-`BASELINES` below and in the `baseline` Literals of `protocols/config.py`.
+`strategies()` below and in the `baseline` Literals of `protocols/config.py`.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Hashable
 from typing import ClassVar
 
@@ -71,31 +72,30 @@ class EmaBaseline(Baseline):
         return out
 
 
-def _strategies() -> dict[str, Baseline]:
+CRITIC = "critic"
+"""`algorithm.baseline: critic`: GAE against the critics' values (`orchestrator.credit`), not a `Baseline`."""
+
+
+@functools.cache
+def strategies() -> dict[str, Baseline]:
+    """Name -> strategy: every baseline a config may choose for an agent (made once, on first use: a
+    strategy's own file imports `Baseline` from here)."""
     from orchestrator.baseline_rloo import RlooBaseline
 
     return {b.name: b for b in (GroupBaseline(), EmaBaseline(), RlooBaseline())}
 
 
-BASELINES: dict[str, Baseline] = {}
-"""Name -> strategy, filled on first use (`baseline_for`)."""
-
-CRITIC = "critic"
-"""`algorithm.baseline: critic`: GAE against the critics' values (`orchestrator.credit`), not a `Baseline`."""
-
-
 def baseline_for(algorithm: AlgorithmConfig) -> Baseline:
     """The strategy `algorithm.baseline` names (`algorithm`: one agent's settings)."""
-    if not BASELINES:
-        BASELINES.update(_strategies())
     try:
-        return BASELINES[algorithm.baseline]
+        return strategies()[algorithm.baseline]
     except KeyError:
         raise ValueError(f"algorithm.baseline: {algorithm.baseline!r} is scored per batch by "
                          f"{'orchestrator.credit' if algorithm.baseline == CRITIC else 'no strategy'}; "
-                         f"baselines: {', '.join(BASELINES)}") from None
+                         f"baselines: {', '.join(strategies())}") from None
 
 
 def uses_critic(algorithm: AlgorithmConfig) -> bool:
     """Whether a run's advantages come from its critics (`orchestrator.credit`) rather than a `Baseline`."""
     return algorithm.baseline == CRITIC
+
