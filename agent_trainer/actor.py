@@ -3,8 +3,9 @@
 A host (`agent_trainer.hosts`) holds one full-model agent, or adapter agents sharing a base model. A
 full-model agent with `resources.num_workers: K` is a host of K actors joined into one torch.distributed
 group (`agent_trainer.workers`). `RayTrainers` is the pool (`agent_trainer.handle.TrainerPool`): a call goes
-to the workers its `Agent` method's dispatch names (`agent_trainer.dispatch`), which also makes the agent's
-one answer of theirs, so callers see one agent."""
+to the workers its method's declared dispatch names (`agent_trainer.dispatch`), which also makes the agent's
+one answer of theirs, so callers see one agent; its declaration also says whether it goes to the agent's
+rollout engine of its own and whether it publishes the learner's weights to that engine."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from agent_trainer import reaper
 from agent_trainer.agent import Agent
-from agent_trainer.dispatch import WorkersDisagree, dispatch_of
+from agent_trainer.dispatch import Publish, WorkersDisagree, declaration_of
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool, TrainerStartError
 from agent_trainer.group import bundle_of, fit_problem, local_cluster_problem
 from protocols.config import RayConfig, RunConfig, critic_members, host_resources, joins_cluster, member_layout
@@ -155,6 +156,7 @@ class _TrainerActor:
         torch.set_num_threads(threads)
         self.node = node_label(ray.get_runtime_context().get_node_id())
         self.host, self.error = None, None
+        self.group_store = None  # worker 0 of a data-parallel agent: its group's store, from open_store to join
         try:
             self.host = Host(host, config, updates, where=self.node)
         except TrainerStartError as exc:  # reported by info(), so the driver gets one clean line
@@ -162,22 +164,25 @@ class _TrainerActor:
         self.start_s = time.perf_counter() - started  # imports, the models, the optimizer
 
     def call(self, agent: str, method: str, *args: Any) -> Any:
-        """The method named `method` (one that declares its dispatch) of what `agent` is served as: an `Agent`,
-        or a `critic.Critic`."""
+        """The method of what `agent` is served as (an `Agent`, or a `critic.Critic`) that declares itself under
+        the name `method` (`agent_trainer.dispatch.Declaration.name`)."""
         return self.host.call(agent, getattr(type(self.host.served[agent]), method), *args)
 
     def open_store(self, *, address: str, world_size: int, timeout_s: float) -> int:
-        """Worker 0 of a data-parallel agent: open its group's store at `address`; the port."""
+        """Worker 0 of a data-parallel agent: open its group's store at `address`, kept until it joins; the port."""
         from agent_trainer import workers
 
-        return workers.open_store(address=address, world_size=world_size, timeout_s=timeout_s)
+        self.group_store = workers.open_store(address=address, world_size=world_size, timeout_s=timeout_s)
+        return self.group_store.port
 
     def join_group(self, *, address: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
         """Join this host's (one) agent to its data-parallel group as worker `rank`."""
         from agent_trainer import workers
 
         (trainer,) = self.host.trainers.values()
-        workers.join(trainer, address=address, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s)
+        store, self.group_store = self.group_store, None
+        workers.join(trainer, address=address, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
+                     store=store)
 
     def info(self) -> dict[str, dict[str, Any]]:
         """Per agent of this host: its process, node, device, precision (`agent_trainer.precision.Precision` as a
@@ -298,6 +303,7 @@ class RayTrainers(TrainerPool):
             raise PlacementError(problem)
         layout = member_layout(config)  # the agents' hosts, and the critics'
         self.agents = [*config.agents, *critic_members(config)]
+        self.critics = set(critic_members(config))
         self.call_timeout, self.checkpoint_timeout = config.train.call_timeout_s, config.train.checkpoint_timeout_s
         resources = host_resources(config)  # a host's agents share it; a critic's own host asks its own
         runtime_env, forwarded = trainer_env(config.ray), forwarded_env(config.ray)
@@ -397,14 +403,14 @@ class RayTrainers(TrainerPool):
         """Fan out to every named agent's workers, then gather; a dead, hung or raising worker is a
         TrainerFailure of its agent. The method's dispatch names the workers (all, or worker 0) and makes
         the agent's answer of theirs (`agent_trainer.dispatch`)."""
-        dispatch = dispatch_of(method)
-        method_label = method.__name__
+        declaration = declaration_of(method)
+        dispatch, method_label = declaration.dispatch, declaration.name
         refs = {}  # ref -> (agent, worker rank)
-        generating = method is Agent.generate
         for name, args in calls.items():
-            if generating and name in self.engines:
+            to_engine = declaration.engine and name in self.engines  # its rollout engine of its own
+            if to_engine:
                 self._sync_engine(name, args[0].policy_version)
-            group = ([self.engines[name]] if generating and name in self.engines
+            group = ([self.engines[name]] if to_engine
                      else self.workers[name] if dispatch.all_workers else self.workers[name][:1])
             if len(group) > 1:  # one copy in the object store for all workers
                 args = tuple(ray.put(arg) for arg in args)
@@ -440,10 +446,11 @@ class RayTrainers(TrainerPool):
                 collected[name] = dispatch.collect([got[r] for r in sorted(got)])
             except WorkersDisagree as exc:
                 raise TrainerFailure(name, method_label, f"its workers disagree: {exc}", recoverable=False) from None
-        if method is Agent.update:
-            self._publish([a for a in collected if a in self.engines], {a: collected[a].policy_version for a in collected})
-        elif method is Agent.load:
-            self._publish([a for a in collected if a in self.engines])
+        published = [a for a in collected if a in self.engines]
+        if declaration.publishes is Publish.UPDATED:
+            self._publish(published, {a: collected[a].policy_version for a in published})
+        elif declaration.publishes is Publish.RELOADED:
+            self._publish(published)
         return collected
 
     # ------------------------------------------------------------------- rollout engines of their own
@@ -454,10 +461,10 @@ class RayTrainers(TrainerPool):
         for agent in agents:
             learner = self.workers[agent][0]
             if versions is None:
-                version = ray.get(learner.call.remote(agent, "version"), timeout=self.checkpoint_timeout)
+                version = ray.get(learner.call.remote(agent, _name(Agent.version)), timeout=self.timeout_of(Agent.version))
             else:
                 version = versions[agent]
-            ref = learner.call.remote(agent, "published_weights")
+            ref = learner.call.remote(agent, _name(Agent.published_weights))
             with self.sync_lock:
                 if versions is None:
                     self.published[agent], self.engine_version[agent] = {}, None
@@ -480,10 +487,11 @@ class RayTrainers(TrainerPool):
                                      f"which its learner has not published (published: {sorted(published)})", False)
             ref = published[version]
             try:
-                ray.get(self.engines[agent].call.remote(agent, "take_weights", ref, version), timeout=self.call_timeout)
+                ray.get(self.engines[agent].call.remote(agent, _name(Agent.take_weights), ref, version),
+                        timeout=self.timeout_of(Agent.take_weights))
             except ray.exceptions.GetTimeoutError:
                 raise TrainerFailure(agent, "generate", "its rollout engine took no weights within "
-                                     f"{self.call_timeout:g}s (hung)", True) from None
+                                     f"{self.timeout_of(Agent.take_weights):g}s (hung)", True) from None
             except ray.exceptions.RayActorError as exc:
                 raise TrainerFailure(agent, "generate", f"its rollout engine's process, or its learner's, died "
                                      f"({one_line(exc)[:200]})", True) from None
@@ -551,6 +559,11 @@ class RayTrainers(TrainerPool):
         for group in self.groups:
             remove_placement_group(group)
         self.groups = []
+
+
+def _name(method: Callable) -> str:
+    """The name under which a served method declares itself, by which a trainer actor finds it (`_TrainerActor.call`)."""
+    return declaration_of(method).name
 
 
 _PEER_GRACE_S = 5.0

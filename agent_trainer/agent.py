@@ -1,7 +1,8 @@
 """`Agent`: one agent as its host process serves it, behind the handle's typed methods.
 
-Each method is what a handle (`agent_trainer.handle.AgentHandle`) call runs in the agent's host process,
-and declares how it fans out over the agent's data-parallel workers (`agent_trainer.dispatch`). Every call
+Each method is what a handle (`agent_trainer.handle.AgentHandle`, generated from these methods) call runs in
+the agent's host process, and declares how it fans out over the agent's data-parallel workers, its timeout
+class, and whether it goes to a rollout engine of its own or publishes weights to it (`agent_trainer.dispatch`). Every call
 runs inside the trainer's `selected` context (an adapter agent's adapter and RNG state in place; nothing
 for a full-model agent). A method added here without `@register` is refused where the class is defined.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from agent_trainer import storage
-from agent_trainer.dispatch import Dispatch, check_registered, register
+from agent_trainer.dispatch import Dispatch, Publish, Timeout, check_registered, register
 from protocols.messages import (
     GenerateRequest, GenerateResult, LoadRequest, ProbeRequest, SaveRequest, ScoreRequest, StoredFiles, UpdateRequest,
     UpdateResult, WeightDigests,
@@ -33,18 +34,18 @@ class Served:
     def __init__(self, trainer):
         self._trainer = trainer
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.RANK_ZERO, timeout=Timeout.CHECKPOINT)
     def save(self, request: SaveRequest) -> StoredFiles:
         with self._trainer.selected():
             return storage.save(self._trainer, target=request.target)
 
-    @register(Dispatch.ALL_EQUAL)
+    @register(Dispatch.ALL_EQUAL, timeout=Timeout.CHECKPOINT, publishes=Publish.RELOADED)
     def load(self, request: LoadRequest) -> str | None:
         """Why the checkpoint's copy on this node is damaged (nothing is loaded then), or None once loaded."""
         with self._trainer.selected():
             return storage.load(self._trainer, source=request.source, files=request.files)
 
-    @register(Dispatch.ALL_TRUE)
+    @register(Dispatch.ALL_TRUE, timeout=Timeout.CHECKPOINT)
     def probe(self, request: ProbeRequest) -> bool:
         return storage.probe(where=request.where, token=request.token, agent=request.agent)
 
@@ -61,12 +62,12 @@ class Agent(Served):
 
     _trainer: AgentTrainer
 
-    @register(Dispatch.ROWS)
+    @register(Dispatch.ROWS, engine=True)
     def generate(self, request: GenerateRequest) -> GenerateResult:
         with self._trainer.selected():
             return self._trainer.generate(request)
 
-    @register(Dispatch.ALL_EQUAL)
+    @register(Dispatch.ALL_EQUAL, publishes=Publish.UPDATED)
     def update(self, request: UpdateRequest) -> UpdateResult:
         with self._trainer.selected(updating=True):
             return self._trainer.update(request)
@@ -76,7 +77,7 @@ class Agent(Served):
         with self._trainer.selected():
             return self._trainer.weight_digests()
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.RANK_ZERO, timeout=Timeout.CHECKPOINT)
     def version(self) -> int:
         """The policy version of the weights the agent computes with (its updates so far)."""
         return self._trainer.policy_version

@@ -11,8 +11,9 @@ Two costs of transformers' SDPA path dominate a CPU trainer's attention at RL's 
   grouped-query head (`repeat_kv`) before SDPA, at every layer and token. SDPA's own grouped-query mode
   (`enable_gqa`) gives the same output bit for bit without the copies.
 
-Longer attentions, and every attention on a GPU, go to transformers' SDPA as before. `use(model)`
-switches a model loaded with SDPA (transformers' default) to this; the masks are SDPA's.
+Longer attentions, and every attention on a GPU, go to transformers' SDPA as before. `install()` registers
+it with transformers (importing this module does not); `use(model)` installs it and switches a model loaded
+with SDPA (transformers' default) to it; the masks are SDPA's.
 `benchmarks/sampling_parts.py` times both beside SDPA ("update pass, bf16", "decode attention").
 """
 
@@ -58,12 +59,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return torch.matmul(probs, value).view(B, H, L, value.size(-1)).transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(NAME, attention_forward)
-ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+def install() -> None:
+    """Register this attention and its mask (SDPA's) with transformers under `NAME`; importing this module
+    registers nothing. Registering again replaces the entry with the same functions."""
+    AttentionInterface.register(NAME, attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
 def use(model: torch.nn.Module) -> None:
     """Compute `model`'s attention here instead of SDPA, where it uses SDPA (an explicit eager or flash choice
-    stays)."""
+    stays); installs it first."""
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        install()
         model.set_attn_implementation(NAME)

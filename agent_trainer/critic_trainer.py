@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from transformers import AutoModelForCausalLM
 from agent_trainer import losses
 from agent_trainer.models import load_model
 from agent_trainer.precision import Precision
+from agent_trainer.guarded_step import GuardedSteps
 from agent_trainer.trainer import AgentTrainer, lr_factor, refuse_nonfinite, weights_digest
 from protocols.config import CriticConfig
 from protocols.messages import CriticUpdateResult, ValueTarget
@@ -94,7 +94,7 @@ class CriticTrainer:
                  agent: AgentTrainer | None = None):
         loading = time.perf_counter()
         self.name, self.config, self.agent = name, critic, agent
-        self.total_updates, self.version = max(1, total_updates), 0
+        self.total_updates, self.policy_version = max(1, total_updates), 0
         with torch.random.fork_rng(devices=[]):  # a critic never moves its process's random streams
             torch.manual_seed(seed)
             if agent is None:
@@ -163,7 +163,7 @@ class CriticTrainer:
         if not targets:
             raise ValueError(f"critic {self.name!r}: an update needs at least one value target")
         cfg, opt = self.config, self.config.optimizer
-        lr = opt.lr * lr_factor(opt, self.version, self.total_updates)
+        lr = opt.lr * lr_factor(opt, self.policy_version, self.total_updates)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         returns = torch.tensor([t.target for t in targets], dtype=torch.float32)  # (N,)
@@ -171,7 +171,7 @@ class CriticTrainer:
         variance = float(returns.var(unbiased=False))
         explained = 1.0 - float((returns - old).var(unbiased=False)) / variance if variance > 0 else 0.0
         total_loss = total_clipped = 0.0
-        grad_norms, skipped = [], 0
+        steps = GuardedSteps()
         parameters = self._trainable_parameters()
         for _ in range(cfg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
@@ -187,20 +187,13 @@ class CriticTrainer:
                 loss.backward()
                 total_loss += float(loss.detach())
                 total_clipped += float(clipped.float().sum()) / len(targets)
-            grad_norm = math.nan
-            if finite:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, opt.max_grad_norm or math.inf))
-                finite = math.isfinite(grad_norm)
-                if finite:
-                    self.optimizer.step()
-            skipped += not finite
-            grad_norms.append(grad_norm)
+            steps.step(self.optimizer, parameters, max_grad_norm=opt.max_grad_norm, finite=finite)
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
+        self.policy_version += 1
         n = cfg.num_iterations
-        return CriticUpdateResult(critic=self.name, version=self.version, value_loss=total_loss / n,
+        return CriticUpdateResult(critic=self.name, version=self.policy_version, value_loss=total_loss / n,
                                   value_clip_fraction=total_clipped / n, explained_variance=explained,
-                                  grad_norm=sum(grad_norms) / n, lr=lr, num_states=len(targets), skipped_steps=skipped,
+                                  grad_norm=steps.mean_grad_norm, lr=lr, num_states=len(targets), skipped_steps=steps.skipped,
                                   seconds=time.perf_counter() - start)
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -218,9 +211,9 @@ class CriticTrainer:
             named.update(dict(self.lm.named_parameters()))
         refuse_nonfinite(self.name, "critic", named)
         torch.save(self.head.state_dict(), path / HEAD_FILE)
-        if self.lm is not None and self.version > 0:  # before its first update the LM is still config.model's
+        if self.lm is not None and self.policy_version > 0:  # before its first update the LM is still config.model's
             self.lm.save_pretrained(path / MODEL_DIR)
-        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.version}, path / STATE_FILE)
+        torch.save({"optimizer": self.optimizer.state_dict(), "version": self.policy_version}, path / STATE_FILE)
         (path / "critic.json").write_text(json.dumps({"model": self.config.model, "kind": self.config.kind}))
 
     def load(self, path: str | Path, *, checkpoint: str | None = None) -> None:
@@ -237,7 +230,7 @@ class CriticTrainer:
         self.head.load_state_dict(torch.load(path / HEAD_FILE, weights_only=True))
         state = torch.load(path / STATE_FILE, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.version = state["version"]
+        self.policy_version = state["version"]
 
     def parameters_digest(self) -> str:
         named = {f"head.{n}": p for n, p in self.head.named_parameters()}

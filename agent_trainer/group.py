@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from agent_trainer.dispatch import dispatch_of
+from agent_trainer.dispatch import declaration_of
 from agent_trainer.handle import TrainerFailure, TrainerPool
 from protocols.config import RunConfig, critic_members, host_layout, host_resources, label_matches, member_layout
 from protocols.errors import describe
@@ -168,6 +168,7 @@ class LocalTrainers(TrainerPool):
         self.lock = threading.Lock()
         return_freed_memory()
         self.agents = [*config.agents, *critic_members(config)]  # and the critics, served like agents
+        self.critics = set(critic_members(config))
         self.hosts: dict[str, Host] = {}  # agent or critic -> its host
         resources = host_resources(config)
         self.threads = {name: num_threads(resources[host].num_cpus)
@@ -180,15 +181,15 @@ class LocalTrainers(TrainerPool):
         self.start_info = self.info()
 
     def _fan_out(self, method: Callable, calls: dict[str, tuple], timeout: float | None) -> dict[str, Any]:
-        dispatch = dispatch_of(method)
+        declaration = declaration_of(method)  # no engine of its own in one process: nothing routed or published
         results = {}
         with self.lock:  # one call at a time, whichever thread asks (asynchronous rollouts play in their own)
             for name, args in calls.items():
                 self.set_threads(self.threads[name])
                 try:
-                    results[name] = dispatch.collect([self.hosts[name].call(name, method, *args)])
+                    results[name] = declaration.dispatch.collect([self.hosts[name].call(name, method, *args)])
                 except Exception as exc:
-                    raise TrainerFailure(name, method.__name__, describe(exc), recoverable=False) from exc
+                    raise TrainerFailure(name, declaration.name, describe(exc), recoverable=False) from exc
         return results
 
     def info(self, timeout: float | None = None) -> dict[str, dict[str, Any]]:

@@ -47,43 +47,54 @@ class StorageError(UserError, RuntimeError):
     """Checkpoint storage is unusable as configured (not shared by every node, unreachable, ...)."""
 
 
-deadline_s: float | None = 120.0
-"""Seconds any one call to the store may take (a listing, an open, one chunk read or written, a move; `train.storage_timeout_s`,
-set in the coordinator's and every trainer's process); None waits forever."""
-
-
 class StorageTimeout(StorageError):
-    """A call to the store did not answer within `deadline_s`."""
+    """A call to the store did not answer within its deadline (`Deadline`)."""
+
+
+class Deadline:
+    """Seconds any one call to the store may take (a listing, an open, one chunk read or written, a move;
+    `train.storage_timeout_s`); None waits forever. `within` runs a call under it."""
+
+    def __init__(self, seconds: float | None = 120.0):
+        self.seconds = seconds
+
+    def within(self, what: str, fn, *args):
+        """`fn(*args)`, run in a thread of its own and given up after `seconds` (StorageTimeout naming `what`);
+        the call may go on in the background, where it harms nothing (no file is committed by it alone)."""
+        if self.seconds is None:
+            return fn(*args)
+        outcome: dict[str, Any] = {}
+
+        def call():
+            try:
+                outcome["value"] = fn(*args)
+            except BaseException as exc:  # handed to the caller below
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=call, name="marsi-storage-call", daemon=True)
+        worker.start()
+        worker.join(self.seconds)
+        if worker.is_alive():
+            raise StorageTimeout(f"storage: {what} did not answer within {self.seconds:g} s (train.storage_timeout_s); "
+                                 "check that this machine reaches the store (network, URI, credentials), or raise "
+                                 "train.storage_timeout_s for a slow one")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+
+deadline = Deadline()
+"""The deadline of every call to the store from this process: the coordinator's and every trainer's process
+set it from `train.storage_timeout_s` (`set_deadline`) before they reach the store."""
 
 
 def set_deadline(seconds: float | None) -> None:
-    global deadline_s
-    deadline_s = seconds
+    deadline.seconds = seconds
 
 
 def _within(what: str, fn, *args):
-    """`fn(*args)`, run in a thread of its own and given up after `deadline_s` (StorageTimeout naming `what`); the
-    call may go on in the background, where it harms nothing (no file is committed by it alone)."""
-    if deadline_s is None:
-        return fn(*args)
-    outcome: dict[str, Any] = {}
-
-    def call():
-        try:
-            outcome["value"] = fn(*args)
-        except BaseException as exc:  # handed to the caller below
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=call, name="marsi-storage-call", daemon=True)
-    worker.start()
-    worker.join(deadline_s)
-    if worker.is_alive():
-        raise StorageTimeout(f"storage: {what} did not answer within {deadline_s:g} s (train.storage_timeout_s); check "
-                             "that this machine reaches the store (network, URI, credentials), or raise "
-                             "train.storage_timeout_s for a slow one")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    """`fn(*args)` within this process's store deadline (`Deadline.within`)."""
+    return deadline.within(what, fn, *args)
 
 
 class _Stream:

@@ -61,6 +61,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from agent_trainer import attention, losses, precision, rng, sampling, shared_prompts
+from agent_trainer.guarded_step import GuardedSteps
 from agent_trainer.engine_kinds import make_engine
 from agent_trainer.engines import left_pad, model_logps
 from agent_trainer.models import (
@@ -218,7 +219,7 @@ class AgentTrainer:
         stats = dict.fromkeys(("loss", "kl", "entropy", "clipped", "mismatch", "mismatch_tokens", "gap_max",
                                "tis_weight", "tis_truncated", "tis_tokens"), 0.0)
         first_logps: dict[int, torch.Tensor] = {}  # TIS: the learner's log-probs before the update, per micro-batch
-        grad_norms, skipped = [], 0
+        steps = GuardedSteps()
         for iteration in range(alg.num_iterations):
             self.optimizer.zero_grad(set_to_none=True)
             finite = True
@@ -265,27 +266,18 @@ class AgentTrainer:
                     stats["entropy"] += float((losses.entropy_from_logits(candidate_logits.detach()) * completion_mask).sum())
                     stats["clipped"] += float((clipped.float() * completion_mask).sum())
             finite = self.parallel.reduce_gradients(self.model.parameters(), finite)  # the whole batch's gradient
-            grad_norm = math.nan
-            if finite:
-                self.scaler.unscale_(self.optimizer)
-                max_norm = self.agent.optimizer.max_grad_norm or math.inf
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-                finite = math.isfinite(grad_norm)
-                if finite:
-                    self.scaler.step(self.optimizer)
-                self.scaler.update()
-            skipped += not finite
-            grad_norms.append(grad_norm)
+            steps.step(self.optimizer, self.model.parameters(), max_grad_norm=self.agent.optimizer.max_grad_norm,
+                       finite=finite, scaler=self.scaler)
         self.optimizer.zero_grad(set_to_none=True)
         self.policy_version += 1
         self.parallel.reduce_stats(stats, maxima=("gap_max",))  # the whole batch's sums
         n = alg.num_iterations
         tis_tokens = stats["tis_tokens"]
         return UpdateResult(
-            agent=self.name, policy_version=self.policy_version, loss=stats["loss"] / n, grad_norm=sum(grad_norms) / n,
+            agent=self.name, policy_version=self.policy_version, loss=stats["loss"] / n, grad_norm=steps.mean_grad_norm,
             kl=stats["kl"] / (n * total_tokens), entropy=stats["entropy"] / (n * total_tokens),
             clip_fraction=stats["clipped"] / (n * total_tokens), lr=lr, num_tokens=int(total_tokens),
-            num_sequences=int(total_sequences), seconds=0.0, skipped_steps=skipped,
+            num_sequences=int(total_sequences), seconds=0.0, skipped_steps=steps.skipped,
             logp_mismatch=stats["mismatch"] / stats["mismatch_tokens"] if stats["mismatch_tokens"] else None,
             logp_gap_max=stats["gap_max"] if stats["mismatch_tokens"] else None,
             tis_weight=stats["tis_weight"] / tis_tokens if tis_tokens else None,

@@ -120,30 +120,28 @@ class DataParallel:
 
 
 # ------------------------------------------------------------------ joining a group (run in each worker)
-_hosted_store: dist.TCPStore | None = None  # worker 0's store, kept open from open_store until join
-
-
-def open_store(*, address: str, world_size: int, timeout_s: float) -> int:
-    """Worker 0: open the group's store on a free port of `address` (this node's); returns the port."""
+def open_store(*, address: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Worker 0: open the group's store on a free port of `address` (this node's); its caller keeps it (its
+    `port` is where the other workers join) and hands it to `join`."""
     import torch.distributed as dist
 
-    global _hosted_store
-    _hosted_store = dist.TCPStore(address, 0, world_size, is_master=True, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
-    return _hosted_store.port
+    return dist.TCPStore(address, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def join(trainer: Any, *, address: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-    """Join the agent's process group as worker `rank` (worker 0 with the store it hosts), start from worker
-    0's weights, and make the trainer's learner data-parallel. `timeout_s` bounds the rendezvous and every
-    collective (a dead peer fails a collective at once; a hung one after this)."""
+def join(trainer: Any, *, address: str, port: int, rank: int, world_size: int, timeout_s: float,
+         store: dist.TCPStore | None = None) -> None:
+    """Join the agent's process group as worker `rank` (worker 0 with `store`, the one it opened), start from
+    worker 0's weights, and make the trainer's learner data-parallel. `timeout_s` bounds the rendezvous and
+    every collective (a dead peer fails a collective at once; a hung one after this)."""
     import torch
     import torch.distributed as dist
 
-    global _hosted_store
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = _hosted_store if rank == 0 else dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
-    _hosted_store = None
+    if rank == 0 and store is None:
+        raise ValueError("workers.join: worker 0 joins with the store it opened (open_store)")
+    if rank != 0:
+        store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
     backend = "nccl" if trainer.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             **({"device_id": trainer.device} if backend == "nccl" else {}))

@@ -9,7 +9,8 @@ names the wider pools. The k attempts of a role at one prompt (`roles.attempts`,
 of their own (TRL's group: the completions of one prompt), whatever `group_by` says: attempts at different
 prompts (a solver trying two proposed problems) are not like with like; with k = 1 the one attempt groups
 as an answer does. `algorithm.agents` gives an agent
-its own baseline, `group_by` and `scale_rewards`.
+its own baseline, `group_by` and `scale_rewards`. Which baseline scores an agent's actions is a strategy
+(`orchestrator.baselines`); the functions here are their maths.
 
 - `group_relative_advantages` follows GRPO (Shao et al., 2024, "DeepSeekMath"): reward minus the
   mean of its group, divided by the group's std when `scale` (GRPO) or not (Dr. GRPO, Liu et al.,
@@ -40,6 +41,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
 
+from orchestrator.baselines import Baselines, baseline_for
 from orchestrator.rollout import Episode
 from protocols.config import AlgorithmConfig
 from protocols.messages import Experience
@@ -51,14 +53,11 @@ GROUP_KEYS = {
     "agent": lambda agent, role, turn: (agent,),
 }
 
-Baselines = dict[str, dict[str, dict[str, float]]]
-"""EMA baseline per agent, then role, then turn (counted from 1, as a string: it is saved as JSON)."""
-
-
 def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
                          baselines: Baselines) -> dict[str, list[Experience]]:
     """Every action as an Experience with its advantage, grouped by agent; each action's `advantage` is set too
-    (its transcript shows it). `baselines` is updated in place for the agents whose baseline is `ema`."""
+    (its transcript shows it), by each agent's baseline strategy (`orchestrator.baselines`). `baselines` is updated
+    in place for the agents whose baseline is `ema`."""
     actions, returns, keys, seats = scored_actions(episodes, algorithm)
     if not actions:
         return {}
@@ -66,19 +65,10 @@ def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
     for agent in dict.fromkeys(a.agent for a in actions):
         own = algorithm.for_agent(agent)
         mine = [i for i, a in enumerate(actions) if a.agent == agent]
-        if own.baseline == "group":
-            scored = group_relative_advantages([returns[i] for i in mine], [keys[i] for i in mine],
-                                               scale=own.scale_rewards)
-            for i, a in zip(mine, scored):
-                advantages[i] = a
-            continue
-        for seat in dict.fromkeys(seats[i] for i in mine):
-            _, role, turn = seat
-            idx = [i for i in mine if seats[i] == seat]
-            kept = baselines.setdefault(agent, {}).setdefault(role, {})
-            adv, kept[turn] = ema_advantages(kept.get(turn, 0.0), [returns[i] for i in idx], own.ema_decay)
-            for i, a in zip(idx, adv):
-                advantages[i] = a
+        scored = baseline_for(own).advantages(agent, [returns[i] for i in mine], [keys[i] for i in mine],
+                                              [seats[i] for i in mine], own, baselines)
+        for i, a in zip(mine, scored):
+            advantages[i] = a
     out: dict[str, list[Experience]] = {}
     for action, advantage in zip(actions, advantages):
         action.advantage = advantage  # kept on the action for its transcript

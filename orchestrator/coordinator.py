@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from agent_trainer import storage
-from agent_trainer.agent import Agent
+from agent_trainer.agent import Agent, Served
 from agent_trainer.critic import Critic
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool
 from agent_trainer.precision import emulation_warning
 from agent_trainer.storage import StorageError
 from orchestrator import rollout, runstore
 from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines
+from orchestrator.baselines import uses_critic
 from orchestrator.console import phase, progress
 from orchestrator.credit import CriticCredit
 from orchestrator.data import DataPosition, load_samples
@@ -104,7 +105,7 @@ class Coordinator:
         self.eval_results: list[tuple[int, EvalResult]] = []  # (step, result) of each evaluation run here, in order
         self.critics = critic_members(config)  # critic -> the agents it values (algorithm.baseline: critic)
         self.members = [*config.agents, *self.critics]  # what a checkpoint holds: every agent and critic
-        self.credit = CriticCredit(config) if self.critics else None
+        self.credit = CriticCredit(config) if uses_critic(config.algorithm) else None  # chosen once
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging, config.train.storage) if run_dir is not None else None
         self.pool: TrainerPool | None = None  # every agent's handle: self.pool[agent]
@@ -204,8 +205,7 @@ class Coordinator:
         where = self.log.checkpoint_dir()
         self.log.write_probe(token)
         try:
-            seen = self.pool.each(Agent.probe, {a: ProbeRequest(where=where, token=token, agent=a) for a in agents},
-                                  timeout=self.config.train.checkpoint_timeout_s)
+            seen = self.pool.each(Agent.probe, {a: ProbeRequest(where=where, token=token, agent=a) for a in agents})
             blind = [a for a in agents if not (seen[a] and self.log.probe_answered(token, a))]
         except TrainerFailure as failure:
             if failure.recoverable:
@@ -303,7 +303,7 @@ class Coordinator:
         requests = {a: GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, self.sits_in_for.get(a, a)),
                                        temperature=temperature)
                     for a, p in prompts.items() if p}
-        results = self.pool.each(Agent.generate, requests, timeout=self.config.train.call_timeout_s)
+        results = self.pool.each(Agent.generate, requests)
         self._seconds["generate"] += time.perf_counter() - start
         return {a: r.completions for a, r in results.items()}
 
@@ -316,7 +316,7 @@ class Coordinator:
         start = time.perf_counter()
         requests = {a: UpdateRequest(experiences=e) for a, e in experiences.items() if e}
         self.untrained = self.untrained and not requests
-        results = self.pool.each(Agent.update, requests, timeout=self.config.train.call_timeout_s)
+        results = self.pool.each(Agent.update, requests)
         self._seconds["update"] += time.perf_counter() - start
         for agent, result in results.items():
             if result.skipped_steps:
@@ -328,7 +328,7 @@ class Coordinator:
         """Each critic's values of its states (text), all critics at once."""
         start = time.perf_counter()
         requests = {c: ValueRequest(states=s) for c, s in states.items() if s}
-        results = self.pool.each(Critic.values, requests, timeout=self.config.train.call_timeout_s)
+        results = self.pool.each(Critic.values, requests)
         self._seconds["critic"] += time.perf_counter() - start
         return {c: results[c].values if c in results else [] for c in states}
 
@@ -336,14 +336,14 @@ class Coordinator:
         """Update each named critic on its value targets now, all critics at once."""
         start = time.perf_counter()
         requests = {c: CriticUpdateRequest(targets=t) for c, t in targets.items() if t}
-        results = self.pool.each(Critic.update, requests, timeout=self.config.train.call_timeout_s)
+        results = self.pool.each(Critic.update, requests)
         self._seconds["critic"] += time.perf_counter() - start
         return results
 
     def advantages(self, episodes: list[rollout.Episode]
                    ) -> tuple[dict[str, list[Experience]], dict[str, list[ValueTarget]]]:
-        """Each agent's experiences, and each critic's value targets (none without a critic): group or EMA
-        baselines (`orchestrator.advantages`), or the critics' values and GAE (`orchestrator.credit`)."""
+        """Each agent's experiences, and each critic's value targets (none without a critic): each agent's baseline
+        strategy (`orchestrator.baselines`), or the critics' values and GAE (`orchestrator.credit`)."""
         if self.credit is not None:
             return self.credit.score(episodes, self.values)
         return experiences_by_agent(episodes, self.config.algorithm, self.state.baselines), {}
@@ -388,7 +388,7 @@ class Coordinator:
         staging = self.log.staging_path(self.state.step)
         try:
             requests = {a: SaveRequest(target=staging / "agents" / a) for a in self.members}
-            stored = self.pool.each(Agent.save, requests, timeout=self.config.train.checkpoint_timeout_s)
+            stored = self.pool.each(Served.save, requests)  # agents and critics: what every kind serves
             files = {f"agents/{a}/{name}": (digest, report.sizes[name])
                      for a, report in stored.items() for name, digest in report.files.items()}
             state = asdict(self.state)
@@ -415,7 +415,7 @@ class Coordinator:
         self.untrained = False
         requests = {a: LoadRequest(source=checkpoint / "agents" / a, files=agent_files(checkpoint, a))
                     for a in self.members}
-        problems = self.pool.each(Agent.load, requests, timeout=self.config.train.checkpoint_timeout_s)
+        problems = self.pool.each(Served.load, requests)
         return next((f"agents/{a}/{p}" for a, p in problems.items() if p), None)
 
     def restore(self, path: str | Path | Location | None = None) -> Location:
@@ -483,7 +483,7 @@ class Coordinator:
 
     def parameters_digests(self, agents: list[str] | None = None) -> dict[str, str]:
         """SHA-256 of each agent's weights (every agent by default; partner trainers by name)."""
-        return self.pool.ask(Agent.digest, agents or self.config.agents, timeout=self.config.train.call_timeout_s)
+        return self.pool.ask(Agent.digest, agents or self.config.agents)
 
     def load_weights(self, checkpoint: str | Path | Location) -> None:
         """Load every agent's weights from an intact checkpoint, leaving the coordinator's own state as it is."""

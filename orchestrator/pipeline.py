@@ -192,7 +192,7 @@ class AsyncRollouts:
             requests = {a: GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a), policy_version=versions[a])
                         for a, p in prompts.items() if p}
             start = time.perf_counter()
-            results = coord.pool.each(Agent.generate, requests, timeout=coord.config.train.call_timeout_s)
+            results = coord.pool.each(Agent.generate, requests)
             end = time.perf_counter()
             with self.cond:
                 self.calls.extend((a, "generate", start, end) for a in requests)

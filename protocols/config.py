@@ -359,13 +359,15 @@ class ScheduleConfig(_Strict):
 
 
 GroupBy = Literal["agent_role_turn", "agent_role", "agent_turn", "agent"]
+GROUPED = ("group", "rloo")
+"""Baselines that compare the returns of a group (`train.num_generations` episodes of a sample)."""
 
 
 class AgentAlgorithmConfig(_Strict):
     """One agent's own advantage settings (`algorithm.agents.NAME`); a setting left out is the run's (`algorithm`)."""
 
-    baseline: Literal["group", "ema"] | None = None
-    """This agent's baseline: `group` or `ema`; None: algorithm.baseline."""
+    baseline: Literal["group", "ema", "rloo"] | None = None
+    """This agent's baseline: `group`, `ema` or `rloo`; None: algorithm.baseline."""
     group_by: GroupBy | None = None
     """Which of this agent's actions of one sample's episodes are compared; None: algorithm.group_by."""
     scale_rewards: bool | None = None
@@ -375,8 +377,9 @@ class AgentAlgorithmConfig(_Strict):
 class AlgorithmConfig(_Strict):
     discount: float = Field(1.0, ge=0.0, le=1.0)
     """Return of turn t: sum over k >= t of discount**(k - t) * reward_k."""
-    baseline: Literal["group", "ema", "critic"] = "group"
+    baseline: Literal["group", "ema", "rloo", "critic"] = "group"
     """`group`: minus the group mean (GRPO). `ema`: minus an EMA of returns per (agent, role, turn) (SPIRAL's RAE).
+    `rloo`: minus the mean of the other returns of the group (leave-one-out, Ahmadian et al. 2024).
     `critic`: GAE over turns against a learned value function (the `critic` section; docs/rl-maths.md)."""
     group_by: GroupBy = "agent_role_turn"
     """Which actions of one sample's episodes are compared: same agent, role and turn (like with like), or the
@@ -829,7 +832,7 @@ class RunConfig(_Strict):
             raise ValueError(f"algorithm.agents: {', '.join(self.algorithm.agents)} set their own baseline or groups, "
                              "but with algorithm.baseline: critic every agent's credit comes from the critic; remove "
                              "algorithm.agents or set algorithm.baseline: group or ema")
-        grouped = any(self.algorithm.for_agent(a).baseline == "group" for a in agents)
+        grouped = any(self.algorithm.for_agent(a).baseline in GROUPED for a in agents)
         if grouped and self.train.num_generations < 2:
             raise ValueError(
                 f"train.num_generations: group-relative advantages need at least 2 episodes per group "
@@ -848,7 +851,7 @@ class RunConfig(_Strict):
             raise ValueError(f"eval.partner_resources.num_workers: {self.eval.partner_resources.num_workers}; a partner "
                              "only generates for evaluations, on one worker; set eval.partner_resources.num_workers: 1")
         distinct = len({tuple(sorted(seating.items())) for seating in seatings})
-        if (self.algorithm.baseline == "group" and self.roles.rotation == "per_episode" and distinct > 1
+        if (self.algorithm.baseline in GROUPED and self.roles.rotation == "per_episode" and distinct > 1
                 and "role" in self.algorithm.group_by and self.train.num_generations // distinct < 2):
             raise ValueError(
                 f"train.num_generations: with roles.rotation per_episode over {distinct} seatings, each (agent, role) "

@@ -35,12 +35,13 @@ def worker(rank, ports, batch, results):
     REQUEST, then one update per variant on its share of `batch`."""
     torch.set_num_threads(1)
     trainer = make_trainer()
+    store = workers.open_store(address="127.0.0.1", world_size=2, timeout_s=120) if rank == 0 else None
     if rank == 0:
-        port = workers.open_store(address="127.0.0.1", world_size=2, timeout_s=120)
+        port = store.port
         ports.put(port)
     else:
         port = ports.get(timeout=120)
-    workers.join(trainer, address="127.0.0.1", port=port, rank=rank, world_size=2, timeout_s=120)
+    workers.join(trainer, address="127.0.0.1", port=port, rank=rank, world_size=2, timeout_s=120, store=store)
     completions = trainer.generate(REQUEST).completions
     updates = []
     for variant in VARIANTS:

@@ -115,3 +115,38 @@ def test_the_ray_pool_sends_each_call_to_the_workers_its_dispatch_names(ray_clus
     sent = ray.get([worker.methods.remote() for worker in pool.workers["a"]])
     assert sent == [["generate", "digest", "update", "update"], ["generate", "update", "update"],
                     ["generate", "update", "update"]]  # digest: worker 0 alone
+
+
+def test_declarations_give_each_method_its_timeout_class_engine_route_and_publishing_and_make_the_handles():
+    from agent_trainer.critic import Critic
+    from agent_trainer.dispatch import Publish, Timeout, declaration_of
+    from agent_trainer.handle import AgentHandle, CriticHandle, TrainerPool
+
+    checkpoint = {n for n in ("generate", "update", "save", "load", "probe", "digest", "score", "version")
+                  if declaration_of(getattr(Agent, n)).timeout is Timeout.CHECKPOINT}
+    assert checkpoint == {"save", "load", "probe", "version"}
+    assert [n for n in ("generate", "update", "load", "score") if declaration_of(getattr(Agent, n)).engine] == ["generate"]
+    assert declaration_of(Agent.update).publishes is Publish.UPDATED
+    assert declaration_of(Agent.load).publishes is Publish.RELOADED and declaration_of(Critic.values).publishes is None
+    assert hasattr(AgentHandle, "generate") and not hasattr(AgentHandle, "values")
+    assert {"values", "update", "save", "load"} <= set(vars(CriticHandle)) and not hasattr(CriticHandle, "generate")
+
+    class Recording(TrainerPool):  # what the pool is asked: method, members' arguments, bound
+        agents, critics, call_timeout, checkpoint_timeout = ["a", "c"], {"c"}, 10.0, 99.0
+
+        def __init__(self):
+            self.calls = []
+
+        def _fan_out(self, method, calls, timeout):
+            self.calls.append((declaration_of(method).name, calls, timeout))
+            return dict.fromkeys(calls, "answer")
+
+        def info(self, timeout=None): ...
+        def close(self): ...
+
+    pool = Recording()
+    assert pool["a"].digest() == "answer" and pool["c"].values("states") == "answer"
+    pool.each(Agent.save, {"a": "request"})
+    pool.each(Agent.update, {"a": "request"}, timeout=None)  # an explicit bound wins: None, no bound
+    assert pool.calls == [("digest", {"a": ()}, 10.0), ("values", {"c": ("states",)}, 10.0),
+                          ("save", {"a": ("request",)}, 99.0), ("update", {"a": ("request",)}, None)]

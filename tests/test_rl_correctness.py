@@ -124,6 +124,20 @@ def test_ema_baseline_ignores_episode_order_and_is_kept_per_agent_and_role():
     assert baselines["a"]["X"]["1"] > 0 > baselines["b"]["X"]["1"]
 
 
+def test_rloo_baseline_is_the_mean_of_the_other_returns_of_the_group_by_hand():
+    # one group of four (same sample, agent, role, turn), returns 3, 1, 0, 0:
+    # 3 - (1 + 0 + 0) / 3 = 8/3;  1 - (3 + 0 + 0) / 3 = 0;  0 - (3 + 1 + 0) / 3 = -4/3 (twice)
+    episodes = [_Ep({"X": "p"}, {"X": r}).episode for r in (3.0, 1.0, 0.0, 0.0)]
+    adv = [e.advantage for e in experiences_by_agent(episodes, AlgorithmConfig(baseline="rloo"), {})["p"]]
+    assert adv == pytest.approx([8 / 3, 0.0, -4 / 3, -4 / 3])
+    # never scaled by the group's std, and chosen per agent like the others
+    own = AlgorithmConfig(scale_rewards=True, agents={"p": {"baseline": "rloo"}})
+    assert [e.advantage for e in experiences_by_agent(episodes, own, {})["p"]] == pytest.approx(adv)
+    # a group of one has no other return: 0
+    alone = experiences_by_agent([_Ep({"X": "p"}, {"X": 5.0}).episode], AlgorithmConfig(baseline="rloo"), {})
+    assert [e.advantage for e in alone["p"]] == [0.0]
+
+
 def test_ema_baseline_is_kept_per_turn_so_a_discounted_turn_is_not_scored_against_the_last():
     """A perfect solver in SelfImproveEnv, discount 0.9: turn 1 returns 0.9 and turn 2 returns 1.0 in every
     episode. Group baselines give 0 to both; an EMA shared by the role's two turns settles at 0.95 and scores

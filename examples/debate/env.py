@@ -14,7 +14,6 @@ final answers), `first_accuracy`, `final_accuracy` (fraction of debaters right).
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from collections import Counter
@@ -22,6 +21,7 @@ from collections import Counter
 import datasets
 
 from protocols.env import Environment, StepResult
+from protocols.splits import arithmetic_rows
 
 _INT = re.compile(r"-?[0-9]+")
 _SHOWN = 200  # characters of an answer shown to the other debaters
@@ -85,23 +85,9 @@ class DebateEnv(Environment):
 
 def make_dataset(n: int = 256, seed: int = 0, max_operand: int = 9, ops: str = "+*",
                  split: str = "train") -> datasets.Dataset:
-    """`n` questions "What is a <op> b?" with 1 <= a, b <= max_operand, drawn with a fixed seed. `split`: "train" or "eval", a fixed partition of the
-    possible questions (about one in five is held out for evaluation), so no evaluation sample is a training one."""
-    rng = random.Random(seed)
-    rows = []
-    while len(rows) < n:
-        a, b, op = rng.randint(1, max_operand), rng.randint(1, max_operand), rng.choice(ops)
-        if in_split(f"{a}{op}{b}", split):
-            answer = {"+": a + b, "-": a - b, "*": a * b}[op]
-            rows.append({"question": f"What is {a} {op} {b}?", "answer": answer})
-    return datasets.Dataset.from_list(rows)
-
-
-def in_split(key: str, split: str) -> bool:
-    """Whether a sample keyed `key` belongs to `split`: a fixed hash partition, one in five held out for "eval"."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    return (int(hashlib.sha256(key.encode()).hexdigest(), 16) % 5 == 0) == (split == "eval")
+    """`n` questions "What is a <op> b?" (`protocols.splits.arithmetic_rows`: 1 <= a, b <= max_operand, a fixed
+    seed, about one in five possible questions held out as `split: eval`)."""
+    return datasets.Dataset.from_list(arithmetic_rows(n, seed, max_operand, ops, split))
 
 
 def sample_action(role: str, prompt, rng: random.Random) -> str:

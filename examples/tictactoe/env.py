@@ -19,13 +19,13 @@ opponent `win`, `draw`, `loss` from the agent's side.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 
 import datasets
 
 from protocols.env import Environment, StepResult
+from protocols.splits import in_split
 
 LINES = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
 _INT = re.compile(r"-?[0-9]+")
@@ -151,13 +151,6 @@ def make_dataset(n: int = 64, max_opening_moves: int = 2, seed: int = 0, split: 
         if in_split(key, split) and (split == "train" or "X" in key):
             rows.append({"board": key})
     return datasets.Dataset.from_list(rows)
-
-
-def in_split(key: str, split: str) -> bool:
-    """Whether a sample keyed `key` belongs to `split`: a fixed hash partition, one in five held out for "eval"."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    return (int(hashlib.sha256(key.encode()).hexdigest(), 16) % 5 == 0) == (split == "eval")
 
 
 def sample_action(role: str, prompt, rng: random.Random) -> str:
