@@ -4,7 +4,8 @@
                                       [--repeats 3]
 
 `HFEngine.generate` samples `--rows` distinct prompts (temperature 1, no top-k / top-p, no stop ids: every row
-decodes exactly T tokens), median of `--repeats` after one warm-up. The floor of the same work is what reading
+decodes exactly T tokens) `--repeats` times after one warm-up, each time right after measuring the rates below;
+the row printed is the repeat of median marsi / floor, with its own rates. The floor of the same work is what reading
 the weights and doing the arithmetic cost at the rates this machine shows at the time:
 
     floor(T) = prefill + (T - 1) x step
@@ -21,7 +22,7 @@ the weights and doing the arithmetic cost at the rates this machine shows at the
 
 The two terms are added, not overlapped: the floor is a time no decode loop of this model on this thread can beat
 by more than the overlap of memory and arithmetic. Sampling (softmax, noise, the race) is not in the floor.
-The rates are measured between the timed generates, so the machine's load hits both alike. The last line:
+The rates are measured right before each timed generate, so a change in the machine's load hits both. The last line:
 `decode: marsi / floor R at RxT` for the first `--tokens`.
 """
 
@@ -116,9 +117,9 @@ def main() -> None:
     print(f"{'RxT':>7s} {'GB/s':>6s} {'GFLOP/s B':>10s} {'prefill':>8s} {'GFLOP/s':>8s} {'step ms':>8s} "
           f"{'floor s':>8s} {'marsi s':>8s} {'x floor':>8s}")
     ratios = []
+    engine.generate(prompts, max_new_tokens=args.tokens[0], temperature=1.0, seed=0)  # warm-up
     for T in args.tokens:
-        engine.generate(prompts, max_new_tokens=T, temperature=1.0, seed=0)  # warm-up
-        marsi, floors = [], []
+        runs = []  # (marsi / floor, marsi s, floor s, bandwidth, rate at B rows, prefill s, rate at prefill rows, step s)
         for r in range(args.repeats):
             bw, rate_b, rate_p = bandwidth(), matmul_rate(shapes, B), matmul_rate(shapes, B * P)
             prefill = (weight_bytes / bw + (B * P * body_flops + B * head_flops
@@ -129,12 +130,13 @@ def main() -> None:
                 kv_bytes = 2.0 * layers * B * kv_heads * head_dim * keys * 4
                 steps.append((weight_bytes + kv_bytes) / bw
                              + (B * (body_flops + head_flops) + attention_flops(B, 1, keys)) / rate_b)
-            floors.append(prefill + sum(steps))
-            marsi.append(time_it(lambda: engine.generate(prompts, max_new_tokens=T, temperature=1.0, seed=r)))
-        floor, seconds = statistics.median(floors), statistics.median(marsi)
-        ratios.append(seconds / floor)
+            floor = prefill + sum(steps)
+            seconds = time_it(lambda: engine.generate(prompts, max_new_tokens=T, temperature=1.0, seed=r))
+            runs.append((seconds / floor, seconds, floor, bw, rate_b, prefill, rate_p, statistics.mean(steps)))
+        ratio, seconds, floor, bw, rate_b, prefill, rate_p, step = sorted(runs)[(len(runs) - 1) // 2]
+        ratios.append(ratio)
         print(f"{B}x{T:<5d} {bw / 1e9:6.2f} {rate_b / 1e9:10.1f} {prefill:8.3f} {rate_p / 1e9:8.1f} "
-              f"{1e3 * statistics.mean(steps):8.1f} {floor:8.3f} {seconds:8.3f} {seconds / floor:8.2f}", flush=True)
+              f"{1e3 * step:8.1f} {floor:8.3f} {seconds:8.3f} {ratio:8.2f}", flush=True)
     print(f"after: {bc.load_line()}")
     print(f"decode: marsi / floor {ratios[0]:.2f} at {B}x{args.tokens[0]}")
 
