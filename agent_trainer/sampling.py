@@ -12,8 +12,9 @@ Nothing else acts on sampling: a model's own `generation_config.json` (repetitio
 n-grams, min_p, typical_p, ...) is never consulted; only its end-of-sequence ids are used, to stop.
 
 `sample` runs the decode loop itself (each distinct prompt prefilled once, `agent_trainer.shared_prompts`,
-then one token at a time with the KV cache) and keeps one log-prob per sampled token: it never holds
-(B, T, V) logits. It draws each token by the exponential race (argmax of p / q over the candidates, with
+then one token at a time with the KV cache: for a Llama-architecture model on CPU, `agent_trainer.decode_step`'s
+static-cache steps, which give the forward's logits bit for bit) and keeps one log-prob per sampled token: it
+never holds (B, T, V) logits. It draws each token by the exponential race (argmax of p / q over the candidates, with
 q = -log u ~ Exp(1) from a float64 uniform u per vocabulary token: what `torch.multinomial` does for one
 sample), with the uniforms of every row of the whole request drawn from its seed: a row samples the same
 tokens whichever share of the request (rows `first_row` onward) a worker of a data-parallel agent decodes.
