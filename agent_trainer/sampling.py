@@ -139,8 +139,9 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
     stop = torch.tensor(stop_ids, device=device)
     distinct_ids, distinct_mask, index = shared_prompts.distinct_rows(prompt_ids, prompt_mask)
     logits, cache = shared_prompts.prefill(model, distinct_ids, distinct_mask, index)  # (B, 1, V): each prompt once
-    decoder = (decode_step.StaticDecoder(model, cache, prompt_mask, max_new_tokens - 1)
-               if max_new_tokens > 1 and decode_step.supports(model) else None)
+    decoder = None
+    if max_new_tokens > 1 and decode_step.supports(model):  # the prompts' keys and values move to its static cache
+        decoder, cache = decode_step.StaticDecoder(model, cache, prompt_mask, max_new_tokens - 1), None
     attention_mask = prompt_mask
     position_ids = shared_prompts.positions(prompt_mask)[:, -1:]
     done = torch.zeros(B, dtype=torch.bool, device=device)
