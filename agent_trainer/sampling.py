@@ -12,8 +12,9 @@ Nothing else acts on sampling: a model's own `generation_config.json` (repetitio
 n-grams, min_p, typical_p, ...) is never consulted; only its end-of-sequence ids are used, to stop.
 
 `sample` runs the decode loop itself (each distinct prompt prefilled once, `agent_trainer.shared_prompts`,
-then one token at a time with the KV cache) and keeps one log-prob per sampled token: it never holds
-(B, T, V) logits. It draws each token by the exponential race (argmax of p / q over the candidates, with
+then one token at a time with the KV cache: for a Llama-architecture model on CPU, `agent_trainer.decode_step`'s
+static-cache steps, which give the forward's logits bit for bit) and keeps one log-prob per sampled token: it
+never holds (B, T, V) logits. It draws each token by the exponential race (argmax of p / q over the candidates, with
 q = -log u ~ Exp(1) from a float64 uniform u per vocabulary token: what `torch.multinomial` does for one
 sample), with the uniforms of every row of the whole request drawn from its seed: a row samples the same
 tokens whichever share of the request (rows `first_row` onward) a worker of a data-parallel agent decodes.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from agent_trainer import shared_prompts
+from agent_trainer import decode_step, shared_prompts
 
 _CHUNK_ELEMENTS = 1 << 24  # rows of logits truncated at once: bounds the sort's temporaries to ~200 MB
 _TIE_SLACK = 16  # tokens taken past the top_k-th, so that ties at its value need no second pass over V
@@ -138,10 +139,14 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
     stop = torch.tensor(stop_ids, device=device)
     distinct_ids, distinct_mask, index = shared_prompts.distinct_rows(prompt_ids, prompt_mask)
     logits, cache = shared_prompts.prefill(model, distinct_ids, distinct_mask, index)  # (B, 1, V): each prompt once
+    decoder = None
+    if max_new_tokens > 1 and decode_step.supports(model):  # the prompts' keys and values move to its static cache
+        decoder, cache = decode_step.StaticDecoder(model, cache, prompt_mask, max_new_tokens - 1), None
     attention_mask = prompt_mask
     position_ids = shared_prompts.positions(prompt_mask)[:, -1:]
     done = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+    uniform = torch.empty(total_rows, logits.size(-1), dtype=torch.float64, device=device)  # refilled at each step
     tokens, logps = [], []
     for t in range(max_new_tokens):
         if temperature == 0:  # greedy: a point mass on the most likely token, whose log-prob is 0
@@ -150,10 +155,10 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
         else:
             values, ids = candidates(logits[:, -1, :], temperature, top_k, top_p)  # (B, K)
             logp = values.log_softmax(-1)  # (B, K)
-            uniform = torch.empty(total_rows, logits.size(-1), dtype=torch.float64, device=device)
-            uniform = uniform.uniform_(generator=generator)[first_row:first_row + B]  # (B, V): one per token
-            noise = -(uniform if ids is None else uniform.gather(1, ids)).log()  # (B, K) ~ Exp(1)
-            pick = (logp.exp() / noise).argmax(-1)  # (B,): the exponential race
+            share = uniform.uniform_(generator=generator)[first_row:first_row + B]  # (B, V): one per token
+            log_u = share.log_() if ids is None else share.gather(1, ids).log_()  # (B, K): -Exp(1) noise
+            # the exponential race argmax(p / -log u), as argmin(p / log u): the same quotients negated exactly
+            pick = (logp.exp() / log_u).argmin(-1)  # (B,)
             token = (pick if ids is None else ids.gather(1, pick.unsqueeze(1)).squeeze(1)).masked_fill(done, pad_id)
             token_logp = logp.gather(1, pick.unsqueeze(1)).squeeze(1).masked_fill(done, 0.0)  # (B,)
         tokens.append(token)
@@ -163,10 +168,12 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_ne
         done |= stopped
         if bool(done.all()) or t + 1 == max_new_tokens:
             break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
         position_ids = position_ids + 1
+        if decoder is not None:
+            logits = decoder(token, position_ids)
+            continue
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
         out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=position_ids,
                     use_cache=True, logits_to_keep=1, **{cache_arg: cache})
         logits, cache = out.logits, out[cache_arg]
     return torch.stack(tokens, 1), lengths, torch.stack(logps, 1)
-

@@ -1,6 +1,6 @@
 """Parts of a SmolLM2 step that marsi's sampling and update choices change, each beside the earlier method.
 
-    python benchmarks/sampling_parts.py [--model builtin:smollm2-135m-instruct] [--repeats 5]
+    python benchmarks/sampling_parts.py [--model builtin:smollm2-135m-instruct] [--repeats 5] [--only PART]
 
 One thread, the two methods of each part alternating, medians over `--repeats`:
 
@@ -16,6 +16,9 @@ One thread, the two methods of each part alternating, medians over `--repeats`:
   decode step   one token of an 8-row decode of the model (after a 90-token prefill), autocast bf16 and
                 fp32, under `inference_mode` (earlier) against `no_grad`: autocast keeps its casts of the
                 weights for the call only outside inference mode
+  static step   one fp32 decode step as above: the model's forward (a DynamicCache grown by concatenation, the
+                mask built per step, earlier) against `decode_step.StaticDecoder` (a static cache written in
+                place, the mask built once, the same torch calls without the modules)
   KV cache      one bf16 decode step with the keys cached in float32 (what autocast's rotary embedding
                 leaves; attention casts them at every step) against cached in bf16 (`keys_as_values_cache`)
   attention     forward + backward of the update's model pass (8 x 32 new tokens after 2 distinct
@@ -46,6 +49,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 
 import bench_common as bc  # noqa: E402
 from agent_trainer import attention, losses, sampling, shared_prompts  # noqa: E402
+from agent_trainer.decode_step import StaticDecoder  # noqa: E402
 from agent_trainer.models import load_model  # noqa: E402
 
 B, T, PROMPT = 8, 32, 90
@@ -80,6 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", default="", help="time only the parts whose name contains this")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"$ python {' '.join(sys.argv)}\nbefore: {bc.load_line()}", flush=True)
@@ -124,6 +129,22 @@ def main() -> None:
                       **{shared_prompts.cache_argument(model): cache})
                 run.seconds = time.perf_counter() - start
             shared_prompts.keys_as_values_cache = cast_keys_cache
+        return run
+
+    def static_step(static):
+        def run():
+            with torch.no_grad():
+                logits, cache = shared_prompts.prefill(model, prompts, mask, torch.arange(B))
+                token, position = logits[:, -1].argmax(-1), torch.full((B, 1), PROMPT)
+                decoder = StaticDecoder(model, cache, mask, 1) if static else None
+                start = time.perf_counter()
+                if static:
+                    decoder(token, position)
+                else:
+                    model(input_ids=token.unsqueeze(1), attention_mask=torch.cat([mask, mask.new_ones(B, 1)], 1),
+                          position_ids=position, use_cache=True, logits_to_keep=1,
+                          **{shared_prompts.cache_argument(model): cache})
+                run.seconds = time.perf_counter() - start
         return run
 
     distinct, index = torch.randint(0, V, (2, PROMPT), generator=gen), torch.arange(B) // (B // 2)
@@ -172,6 +193,8 @@ def main() -> None:
                                    "marsi (keys cached as bf16)": decode_step(torch.no_grad, "bf16")},
         "decode step, fp32": {"earlier (inference_mode)": decode_step(torch.inference_mode, "fp32"),
                               "marsi (no_grad)": decode_step(torch.no_grad, "fp32")},
+        "decode step, fp32 static": {"earlier (the model's forward)": static_step(False),
+                                     "marsi (StaticDecoder)": static_step(True)},
         "decode attention, x30": {"earlier (repeat_kv + SDPA)": decode_attention(sdpa_attention_forward),
                                   "marsi (SDPA enable_gqa)": decode_attention(attention.attention_forward)},
         "update pass, bf16": {"earlier (sdpa)": update_pass("sdpa"),
@@ -180,6 +203,8 @@ def main() -> None:
     print(f"{args.model}: {B} rows, 1 thread, median of {args.repeats}")
     print(f"{'part':24s} {'method':32s} {'ms':>9s} {'x first':>10s}")
     for part, methods in parts.items():
+        if args.only not in part:
+            continue
         times = {name: [] for name in methods}
         for r in range(args.repeats + 1):
             for name, fn in (methods.items() if r % 2 == 0 else reversed(methods.items())):
