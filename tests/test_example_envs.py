@@ -221,7 +221,8 @@ def test_rsi_held_out_episode_is_the_solver_alone_scored_by_accuracy():
     answer = sample["answer"]
     last = env.step({"solver": [f"Answer: {answer}", str(answer), "Answer: -1", f"Answer: {answer}"]})
     assert last.terminated and last.reward == 0.5  # reward/mean is the held-out accuracy
-    assert env.episode_info() == {"level": 1.0, "accuracy": 0.5, "format_valid": 0.75, "lenient_correct": 0.75}
+    assert env.episode_info() == {"accuracy": 0.5, "accuracy_level1": 0.5, "format_valid": 0.75,
+                                  "lenient_correct": 0.75}
     for split in ("eval", "ood"):
         check_env(env, load("rsi", "make_dataset")(split=split).to_list()[:8], action_fn=load("rsi", "sample_action"))
 

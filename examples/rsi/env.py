@@ -30,7 +30,8 @@ episode_info. Training: `valid_problem` (1 or 0), and for a valid problem `solve
 (operators), `distinct` (1 / copies of the problem in the batch: its mean over episodes is distinct valid problems
 per episode), `learnability`; for every episode with solver attempts `format_valid` (share of attempts with an
 `Answer: N` line) and `lenient_correct` (share whose last integer is the value, whatever the format). Held out:
-`accuracy`, `format_valid`, `lenient_correct`, `level` (1-3; 4: OOD larger numbers, 5: OOD three operators).
+`accuracy`, `format_valid`, `lenient_correct`, and `accuracy_levelN` on the problems of level N (1-3; OOD: 4 larger
+numbers, 5 three operators).
 """
 
 from __future__ import annotations
@@ -201,8 +202,7 @@ class RSIEnv(Environment):
         self.info: dict[str, float] = {}
         self.held_out = "problem" in sample
         if self.held_out:
-            self.expression, self.value = sample["problem"], int(sample["answer"])
-            self.info["level"] = float(sample["level"])
+            self.expression, self.value, self.level = sample["problem"], int(sample["answer"]), int(sample["level"])
             return {"solver": solver_prompt(self.expression)}
         if self.fixed:
             rng = random.Random(seed)
@@ -222,7 +222,7 @@ class RSIEnv(Environment):
         infos = {"solver": {"attempts": [{"success": r} if f else {"invalid": True, "reason": "no 'Answer: <integer>' line",
                                                                     "success": 0.0} for r, f in zip(right, formatted)]}}
         if self.held_out:
-            self.info["accuracy"] = p
+            self.info.update(accuracy=p, **{f"accuracy_level{self.level}": p})
             return StepResult(prompts={}, reward=p, terminated=True, infos=infos)
         self.info["solver_success"] = p
         if self.fixed:
