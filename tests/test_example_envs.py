@@ -158,16 +158,17 @@ def test_rsi_proposer_is_paid_from_the_solvers_success_over_its_attempts(reward,
     attempts = ["Answer: 13"] * right + ["Answer: 12"] * (4 - right)  # 3 + 5 * 2 = 13
     first, last, info = rsi_episode("Problem: 3 + 5 * 2", attempts, reward=reward)
     assert first.reward == {"proposer": 0.0} and first.prompts == {
-        "solver": "What is 3 + 5 * 2?\nReply with one line: Answer: <number>"}
+        "solver": "Compute 3 + 5 * 2. Give the result as a single integer on one line, in the form Answer: <number>"}
     assert last.terminated and last.reward == {"proposer": pytest.approx(paid), "solver": [1.0] * right + [0.0] * (4 - right)}
     assert info["valid_problem"] == 1.0 and info["solver_success"] == p and info["problem_size"] == 2.0
 
 
-def test_rsi_solver_must_answer_in_format_and_the_lenient_score_is_kept_apart():
-    _, last, info = rsi_episode("Problem: 6 * 7 = 42", ["Answer: 42", "42", "The answer is 40.", "answer:42 done"])
-    assert last.reward["solver"] == [1.0, 0.0, 0.0, 1.0]
-    assert [a.get("invalid", False) for a in last.infos["solver"]["attempts"]] == [False, True, True, False]
-    assert info["format_valid"] == 0.5 and info["lenient_correct"] == 0.75 and info["solver_success"] == 0.5
+def test_rsi_solver_answer_is_its_answer_line_else_its_last_integer_and_the_format_is_reported_apart():
+    attempts = ["Answer: 42", "6 * 7 = 42", "Answer: 40, no: 42", "", "answer:42 done"]
+    _, last, info = rsi_episode("Problem: 6 * 7 = 42", attempts)
+    assert last.reward["solver"] == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert [a.get("invalid", False) for a in last.infos["solver"]["attempts"]] == [False, False, False, True, False]
+    assert info["format_valid"] == 0.6 and info["strict_correct"] == 0.4 and info["solver_success"] == 0.6
 
 
 @pytest.mark.parametrize("proposal, why", [
@@ -219,10 +220,10 @@ def test_rsi_held_out_episode_is_the_solver_alone_scored_by_accuracy():
     prompts = env.reset(sample, seed=0)
     assert list(prompts) == ["solver"] and sample["problem"] in prompts["solver"]
     answer = sample["answer"]
-    last = env.step({"solver": [f"Answer: {answer}", str(answer), "Answer: -1", f"Answer: {answer}"]})
+    last = env.step({"solver": [f"Answer: {answer}", str(answer), "Answer: -1", "Answer: 1000"]})
     assert last.terminated and last.reward == 0.5  # reward/mean is the held-out accuracy
     assert env.episode_info() == {"accuracy": 0.5, "accuracy_level1": 0.5, "format_valid": 0.75,
-                                  "lenient_correct": 0.75}
+                                  "strict_correct": 0.25}
     for split in ("eval", "ood"):
         check_env(env, load("rsi", "make_dataset")(split=split).to_list()[:8], action_fn=load("rsi", "sample_action"))
 
@@ -233,7 +234,7 @@ def test_rsi_fixed_generator_writes_the_problem_itself():
     assert env.reset(SEED, seed=3) != env.reset(SEED, seed=4)
     prompts = env.reset(SEED, seed=3)
     assert list(prompts) == ["solver"] and prompts == env.reset(SEED, seed=3)
-    value = load("rsi", "evaluate")(prompts["solver"].split("?")[0].removeprefix("What is "))[0]
+    value = load("rsi", "evaluate")(prompts["solver"].split(". Give")[0].removeprefix("Compute "))[0]
     last = env.step({"solver": [f"Answer: {value}", "Answer: x", "", f"Answer: {value}"]})
     assert last.reward == {"solver": [1.0, 0.0, 0.0, 1.0]} and env.episode_info()["solver_success"] == 0.5
 
@@ -249,7 +250,7 @@ def test_rsi_attempts_share_one_prompt_and_their_advantages_are_centred_within_t
     def generate(prompts, seed):
         calls.append(prompts)
         texts = {"teacher": ["Problem: 2 + 3", "Problem: 4 * 4"],
-                 "student": ["Answer: 5", "Answer: 6", "Answer: 5", "5", "Answer: 16"] + ["Answer: 1"] * 3}
+                 "student": ["Answer: 5", "Answer: 6", "Answer: 5", "6", "Answer: 16"] + ["Answer: 1"] * 3}
         return {agent: [Completion(text=texts[agent][i], prompt_ids=[1], completion_ids=[2], per_token_logps=[-0.1],
                                    finish_reason="stop") for i in range(len(ps))] for agent, ps in prompts.items()}
 

@@ -5,8 +5,9 @@ Turn 1: the proposer gets a prompt built from a seed sample (two example numbers
 answers with one line `Problem: <expression>`. The expression is checked by a tiny parser of whole numbers, + - *
 and parentheses, never by eval. It is valid when it parses, has at least one operator, at most `max_operators` of
 them and no number above `max_number` (the size cap: a longer or larger problem earns nothing, so complexity cannot
-be farmed). Turn 2: the solver gets `What is <expression>?` and answers `attempts["solver"]` times (default 4,
-`roles.attempts` changes it); each attempt is right when its `Answer: N` line names the value.
+be farmed). Turn 2: the solver is asked to compute the expression and reply `Answer: <number>`; it answers
+`attempts["solver"]` times (default 4, `roles.attempts` changes it). An attempt's answer is the integer of its
+`Answer:` line, else its last integer; it is right when that is the value.
 
 Rewards. Solver: 1 per right attempt, else 0. Proposer, at turn 2 from the solver's success rate p over its k
 attempts: `reward="absolute_zero"` 1 - p when 0 < p < 1, else 0 (learnability); `"r_zero"` min(p, 1 - p);
@@ -29,8 +30,8 @@ up to 10).
 episode_info. Training: `valid_problem` (1 or 0), and for a valid problem `solver_success` (p), `problem_size`
 (operators), `distinct` (1 / copies of the problem in the batch: its mean over episodes is distinct valid problems
 per episode), `learnability`; for every episode with solver attempts `format_valid` (share of attempts with an
-`Answer: N` line) and `lenient_correct` (share whose last integer is the value, whatever the format). Held out:
-`accuracy`, `format_valid`, `lenient_correct`, and `accuracy_levelN` on the problems of level N (1-3; OOD: 4 larger
+`Answer: N` line) and `strict_correct` (share right with that line). Held out: `accuracy`, `format_valid`,
+`strict_correct`, and `accuracy_levelN` on the problems of level N (1-3; OOD: 4 larger
 numbers, 5 three operators).
 """
 
@@ -150,19 +151,20 @@ def random_problem(rng: random.Random, n_operators: int, low: int, high: int) ->
 
 
 def solver_prompt(expression: str) -> str:
-    return f"What is {expression}?\nReply with one line: Answer: <number>"
+    return f"Compute {expression}. Give the result as a single integer on one line, in the form Answer: <number>"
 
 
 def grade(texts: list[str], value: int) -> tuple[list[float], list[float], list[float]]:
-    """Per attempt: right (its `Answer: N` names the value), format valid (it has such a line), lenient (its last
-    integer is the value, whatever the format)."""
-    right, formatted, lenient = [], [], []
+    """Per attempt: right (its answer is the value: the integer of its `Answer: N` line, else its last integer),
+    format valid (it has an `Answer: N` line), strict (format valid and right)."""
+    right, formatted, strict = [], [], []
     for text in texts:
-        answer, numbers = _ANSWER.search(text), _INT.findall(text)
-        formatted.append(float(answer is not None))
-        right.append(float(answer is not None and int(answer.group(1)) == value))
-        lenient.append(float(bool(numbers) and len(numbers[-1]) <= 12 and int(numbers[-1]) == value))
-    return right, formatted, lenient
+        line, numbers = _ANSWER.search(text), _INT.findall(text)
+        answer = line.group(1) if line else numbers[-1] if numbers else None
+        right.append(float(answer is not None and len(answer) <= 12 and int(answer) == value))
+        formatted.append(float(line is not None))
+        strict.append(right[-1] * formatted[-1])
+    return right, formatted, strict
 
 
 class _Batch:
@@ -209,18 +211,19 @@ class RSIEnv(Environment):
             self.expression = random_problem(rng, rng.randint(1, self.max_operators), 1, self.max_number)
             return self._accept()
         a, b, op = int(sample["a"]), int(sample["b"]), sample["op"]
-        return {"proposer": (f"Write one new arithmetic problem for a student: whole numbers from 1 to {self.max_number}, "
-                             f"+ - * and at most {self.max_operators} operators (for example {a} {op} {b}). "
-                             f"Do not solve it. Reply with one line:\nProblem: <expression>")}
+        return {"proposer": (f"Example:\nProblem: {a} {op} {b}\n\nWrite a different problem in the same format, with "
+                             f"whole numbers up to {self.max_number} and at most {self.max_operators} of + - *. "
+                             f"Reply with only the line Problem: ...")}
 
     def step(self, actions):
         if "proposer" in actions:
             return self._proposal(actions["proposer"])
-        right, formatted, lenient = grade(actions["solver"], self.value)
+        right, formatted, strict = grade(actions["solver"], self.value)
         p = sum(right) / len(right)
-        self.info.update(format_valid=sum(formatted) / len(right), lenient_correct=sum(lenient) / len(right))
-        infos = {"solver": {"attempts": [{"success": r} if f else {"invalid": True, "reason": "no 'Answer: <integer>' line",
-                                                                    "success": 0.0} for r, f in zip(right, formatted)]}}
+        self.info.update(format_valid=sum(formatted) / len(right), strict_correct=sum(strict) / len(right))
+        infos = {"solver": {"attempts": [{"success": r} if a.strip() else {"invalid": True, "reason": "empty answer",
+                                                                           "success": 0.0}
+                                         for r, a in zip(right, actions["solver"])]}}
         if self.held_out:
             self.info.update(accuracy=p, **{f"accuracy_level{self.level}": p})
             return StepResult(prompts={}, reward=p, terminated=True, infos=infos)
@@ -288,6 +291,6 @@ def sample_action(role: str, prompt, rng: random.Random) -> str:
     `Answer: N` line for the solver (right now and then)."""
     if role == "proposer":
         return "Problem: " + random_problem(rng, rng.choice([1, 1, 2, 3]), 1, 20)
-    match = re.search(r"What is (.*)\?", prompt)
+    match = re.search(r"Compute (.*)\. Give", prompt)
     value = evaluate(match.group(1))[0] if match else 0
     return f"Answer: {value + rng.choice([0, 0, 1, -2])}"
