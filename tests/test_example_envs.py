@@ -25,7 +25,8 @@ def load(example: str, name: str):
     ("tictactoe", "TicTacToeEnv", {"opponent": "random"}),
     ("tictactoe", "TicTacToeEnv", {"opponent": "random", "agent_seat": "O"}),
     ("rsi", "RSIEnv", {}),
-    ("rsi", "RSIEnv", {"verifier": True}),
+    ("rsi", "RSIEnv", {"reward": "r_zero"}),
+    ("rsi", "RSIEnv", {"proposer": "fixed"}),
     ("debate", "DebateEnv", {}),
     ("debate", "DebateEnv", {"debaters": 3, "rounds": 2}),
 ], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()) or "default")
@@ -135,62 +136,135 @@ def test_rsi_parser_rejects_everything_else(expression):
         load("rsi", "evaluate")(expression)
 
 
-SAMPLE = {"number": 7, "a": 3, "b": 2}
+SEED = {"a": 7, "b": 3, "op": "+"}
 
 
-def test_rsi_valid_problem_and_right_solver_scores_one():
-    env = load("rsi", "RSIEnv")()
-    prompts = env.reset(SAMPLE)
-    assert list(prompts) == ["proposer"] and "number 7" in prompts["proposer"]
-    first = env.step({"proposer": "Problem: 7 * 3 - 2\nAnswer: 19"})
-    assert first.reward == 0.5 and first.prompts == {"solver": "Solve: 7 * 3 - 2\nReply with just the number."}
-    last = env.step({"solver": "That is 19"})
-    assert last.reward == 0.5 and last.terminated
-    assert env.episode_info() == {"parsed": 1.0, "valid_problem": 1.0, "solver_correct": 1.0}
-
-
-@pytest.mark.parametrize("proposal, first_reward, why", [
-    ("Problem: 7 * 3 - 2 = 19", 0.5, None),             # the answer after '=' counts too
-    ("Problem: 7 * 3 - 2\nAnswer: 20", 0.0, "stated answer 20"),
-    ("Problem: 5 * 3\nAnswer: 15", 0.0, "does not use the number 7"),
-    ("Problem: 7 + 1\nAnswer: 8", 0.0, "trivial"),
-    ("Problem: 7 * 3", 0.0, "no 'Answer"),
-])
-def test_rsi_validity(proposal, first_reward, why):
-    env = load("rsi", "RSIEnv")()
-    env.reset(SAMPLE)
+def rsi_episode(proposal: str, attempts: list[str], **kwargs):
+    """(turn-1 result, turn-2 result or None, episode_info) of one RSI episode played alone."""
+    env = load("rsi", "RSIEnv")(**kwargs)
+    env.reset(SEED, seed=0)
     first = env.step({"proposer": proposal})
-    assert first.reward == first_reward and not first.terminated
-    assert first.infos["proposer"]["valid"] == (why is None)
-    if why:
-        assert any(why in r for r in first.infos["proposer"]["reasons"])
-    last = env.step({"solver": str(load("rsi", "evaluate")(proposal.split(":")[1].split("\n")[0].split("=")[0])[0])})
-    assert last.reward == (0.5 if why is None else 0.0)  # the solver scores only on a valid problem
-    assert env.episode_info()["solver_correct"] == 1.0
+    last = None if first.terminated else env.step({"solver": attempts})
+    return first, last, env.episode_info()
 
 
-@pytest.mark.parametrize("proposal", ["", "Problem: import os", "Problem: 7 ** 2\nAnswer: 49", "7 + 3 = 10"])
-def test_rsi_unparseable_problem_ends_with_zero(proposal):
+@pytest.mark.parametrize("reward, p, paid", [
+    ("absolute_zero", 0.25, 0.75), ("absolute_zero", 0.0, 0.0), ("absolute_zero", 1.0, 0.0),
+    ("r_zero", 0.25, 0.25), ("r_zero", 0.5, 0.5), ("r_zero", 1.0, 0.0),
+    ("cooperative", 0.25, 0.625), ("cooperative", 0.0, 0.5),
+])
+def test_rsi_proposer_is_paid_from_the_solvers_success_over_its_attempts(reward, p, paid):
+    right = round(4 * p)
+    attempts = ["Answer: 13"] * right + ["Answer: 12"] * (4 - right)  # 3 + 5 * 2 = 13
+    first, last, info = rsi_episode("Problem: 3 + 5 * 2", attempts, reward=reward)
+    assert first.reward == {"proposer": 0.0} and first.prompts == {
+        "solver": "Compute 3 + 5 * 2. Give the result as a single integer on one line, in the form Answer: <number>"}
+    assert last.terminated and last.reward == {"proposer": pytest.approx(paid), "solver": [1.0] * right + [0.0] * (4 - right)}
+    assert info["valid_problem"] == 1.0 and info["solver_success"] == p and info["problem_size"] == 2.0
+
+
+def test_rsi_solver_answer_is_its_answer_line_else_its_last_integer_and_the_format_is_reported_apart():
+    attempts = ["Answer: 42", "6 * 7 = 42", "Answer: 40, no: 42", "", "answer:42 done"]
+    _, last, info = rsi_episode("Problem: 6 * 7 = 42", attempts)
+    assert last.reward["solver"] == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert [a.get("invalid", False) for a in last.infos["solver"]["attempts"]] == [False, False, False, True, False]
+    assert info["format_valid"] == 0.6 and info["strict_correct"] == 0.4 and info["solver_success"] == 0.6
+
+
+@pytest.mark.parametrize("proposal, why", [
+    ("", "no 'Problem:' line"), ("7 + 3", "no 'Problem:' line"), ("Problem: 2 ** 3", "does not parse"),
+    ("Problem: 12", "no operator"), ("Problem: 1 + 2 + 3 + 4", "3 operators; at most 2"),
+    ("Problem: 21 + 1", "a number above 20"), ("Problem: (2 + 3) * 4 - 1", "3 operators"),
+])
+def test_rsi_invalid_or_oversized_problems_end_the_episode_with_the_penalty(proposal, why):
+    first, last, info = rsi_episode(proposal, [])
+    assert first.terminated and last is None and first.reward == {"proposer": -0.5}
+    assert first.infos["proposer"]["invalid"] and why in first.infos["proposer"]["reason"]
+    assert info == {"valid_problem": 0.0}
+
+
+def test_rsi_duplicates_within_a_batch_are_penalised_every_copy():
+    env = load("rsi", "RSIEnv")
+    batch = [env() for _ in range(3)]
+    for e in batch:
+        e.reset(SEED, seed=0)
+    for e, problem in zip(batch, ["3 + 4", "3+4", "5 * 2"]):  # all turn 1s before any turn 2, as the rollout loop
+        assert e.step({"proposer": f"Problem: {problem}"}).prompts
+    half = ["Answer: 7", "Answer: 0"] * 2
+    rewards = [e.step({"solver": half}).reward["proposer"] for e in batch[:2]]
+    assert rewards == [0.0, 0.0]  # learnability 0.5 - 0.5 for each copy
+    assert batch[2].step({"solver": ["Answer: 10", "Answer: 0"] * 2}).reward["proposer"] == 0.5
+    assert [e.episode_info()["distinct"] for e in batch] == [0.5, 0.5, 1.0]
+    first, _, info = rsi_episode("Problem: 3 + 4", half)  # the next batch starts afresh
+    assert info["distinct"] == 1.0
+
+
+def test_rsi_training_data_are_prompt_seeds_and_the_held_out_sets_are_fixed_graded_and_labelled():
+    make, evaluate = load("rsi", "make_dataset"), load("rsi", "evaluate")
+    train = make(n=64, seed=5).to_list()
+    assert all(set(row) == {"a", "b", "op"} for row in train)  # no problem, no answer
+    held, ood = make(split="eval").to_list(), make(split="ood").to_list()
+    assert held == make(split="eval", seed=9).to_list() and len(held) == 210 and len(ood) == 80
+    assert [sum(r["level"] == k for r in held) for k in (1, 2, 3)] == [70, 70, 70]
+    assert all(evaluate(r["problem"])[0] == r["answer"] for r in held + ood)
+    operators, numbers = load("rsi", "operators"), lambda r: evaluate(r["problem"])[1]
+    assert all(operators(r["problem"]) == {1: 1, 2: 1, 3: 2}[r["level"]] for r in held)
+    assert all(max(numbers(r)) <= {1: 10, 2: 20, 3: 10}[r["level"]] for r in held)
+    assert all(min(numbers(r)) > 20 or operators(r["problem"]) == 3 for r in ood)  # beyond the training cap
+    assert len({r["problem"] for r in held}) > 150
+
+
+def test_rsi_held_out_episode_is_the_solver_alone_scored_by_accuracy():
     env = load("rsi", "RSIEnv")()
-    env.reset(SAMPLE)
-    result = env.step({"proposer": proposal})
-    assert result.terminated and result.reward == 0.0 and result.infos["proposer"]["invalid"]
-    assert env.episode_info() == {"parsed": 0.0, "valid_problem": 0.0, "solver_correct": 0.0}
+    sample = load("rsi", "make_dataset")(split="eval")[0]
+    prompts = env.reset(sample, seed=0)
+    assert list(prompts) == ["solver"] and sample["problem"] in prompts["solver"]
+    answer = sample["answer"]
+    last = env.step({"solver": [f"Answer: {answer}", str(answer), "Answer: -1", "Answer: 1000"]})
+    assert last.terminated and last.reward == 0.5  # reward/mean is the held-out accuracy
+    assert env.episode_info() == {"accuracy": 0.5, "accuracy_level1": 0.5, "format_valid": 0.75,
+                                  "strict_correct": 0.25}
+    for split in ("eval", "ood"):
+        check_env(env, load("rsi", "make_dataset")(split=split).to_list()[:8], action_fn=load("rsi", "sample_action"))
 
 
-def test_rsi_verifier_shares_the_reward_in_thirds():
-    env = load("rsi", "RSIEnv")(verifier=True)
-    env.reset(SAMPLE)
-    first = env.step({"proposer": "Problem: 7 + 3\nAnswer: 11"})  # wrong stated answer: not valid
-    assert first.reward == 0.0 and set(first.prompts) == {"solver", "verifier"}
-    assert "Proposed answer: 11" in first.prompts["verifier"]
-    last = env.step({"solver": "10", "verifier": "No, it is wrong."})
-    assert last.reward == pytest.approx(1 / 3)  # only the verifier's third: its "no" is right
-    assert env.episode_info() == {"parsed": 1.0, "valid_problem": 0.0, "solver_correct": 1.0, "verifier_correct": 1.0}
+def test_rsi_fixed_generator_writes_the_problem_itself():
+    env = load("rsi", "RSIEnv")(proposer="fixed")
+    assert env.possible_agents == ["solver"]
+    assert env.reset(SEED, seed=3) != env.reset(SEED, seed=4)
+    prompts = env.reset(SEED, seed=3)
+    assert list(prompts) == ["solver"] and prompts == env.reset(SEED, seed=3)
+    value = load("rsi", "evaluate")(prompts["solver"].split(". Give")[0].removeprefix("Compute "))[0]
+    last = env.step({"solver": [f"Answer: {value}", "Answer: x", "", f"Answer: {value}"]})
+    assert last.reward == {"solver": [1.0, 0.0, 0.0, 1.0]} and env.episode_info()["solver_success"] == 0.5
 
-    env.reset(SAMPLE)
-    assert env.step({"proposer": "Problem: 7 + 3\nAnswer: 10"}).reward == pytest.approx(1 / 3)
-    assert env.step({"solver": "10", "verifier": "yes"}).reward == pytest.approx(2 / 3)
+
+def test_rsi_attempts_share_one_prompt_and_their_advantages_are_centred_within_the_k():
+    from orchestrator import rollout
+    from orchestrator.advantages import experiences_by_agent
+    from protocols.config import AlgorithmConfig
+    from protocols.messages import Completion
+
+    calls = []
+
+    def generate(prompts, seed):
+        calls.append(prompts)
+        texts = {"teacher": ["Problem: 2 + 3", "Problem: 4 * 4"],
+                 "student": ["Answer: 5", "Answer: 6", "Answer: 5", "6", "Answer: 16"] + ["Answer: 1"] * 3}
+        return {agent: [Completion(text=texts[agent][i], prompt_ids=[1], completion_ids=[2], per_token_logps=[-0.1],
+                                   finish_reason="stop") for i in range(len(ps))] for agent, ps in prompts.items()}
+
+    env = import_object(f"{EXAMPLES / 'rsi' / 'env.py'}:RSIEnv")
+    episodes = rollout.play(env, [SEED], 2, lambda e, t: {"proposer": "teacher", "solver": "student"}, generate,
+                            seed=0, first_episode=0)
+    solver_prompts = calls[1]["student"]
+    assert solver_prompts[:4] == [solver_prompts[0]] * 4 and solver_prompts[4:] == [solver_prompts[4]] * 4
+    assert "2 + 3" in solver_prompts[0] and "4 * 4" in solver_prompts[4]
+    out = experiences_by_agent(episodes, AlgorithmConfig(scale_rewards=False), {})
+    # p = 1/2 and 1/4: the student's advantages are its rewards less each problem's mean
+    assert [e.advantage for e in out["student"]] == pytest.approx([0.5, -0.5, 0.5, -0.5, 0.75, -0.25, -0.25, -0.25])
+    # the teacher's: learnability 0.5 and 0.75 centred over the sample's two episodes
+    assert [e.advantage for e in out["teacher"]] == pytest.approx([-0.125, 0.125])
 
 
 # ------------------------------------------------------------------------------------------ debate

@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from orchestrator.coordinator import Coordinator
 from protocols.config import load_config
+from tests.runs import killed_and_resumed, marsi, rows, without_times
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -23,13 +25,9 @@ CASES = {
     "tictactoe/eval_random.yaml": (
         {"steps": 1}, [], [[]],
         ["episode/win", "episode/draw", "episode/loss", "episode/legal_move_rate"]),
-    "rsi/config.yaml": (  # per-episode seats: 4 episodes give each (agent, role) group two
-        {"steps": 2, "batch_size": 1, "num_generations": 4}, ["schedule.period=1"], [["alice"], ["bob"]],
-        ["episode/valid_problem", "episode/solver_correct", "loss/alice", "loss/bob"]),
-    "rsi/verifier.yaml": (  # one step, all three agents at once: keeps the test short
-        {"steps": 1, "batch_size": 1, "num_generations": 6}, ["schedule.kind=simultaneous"],
-        [["alice", "bob", "carol"]],
-        ["episode/valid_problem", "episode/solver_correct", "episode/verifier_correct", "loss/carol"]),
+    "rsi/ablations/fixed_generator.yaml": (  # the environment writes the problems: the student trains on tiny
+        {"steps": 1, "batch_size": 1, "num_generations": 2}, ["eval.max_samples=4"], [["student"]],
+        ["episode/solver_success", "episode/format_valid", "reward/solver", "loss/student"]),
     "debate/config.yaml": (
         {"steps": 1}, [], [["alice", "bob"]],
         ["episode/first_majority_correct", "episode/final_majority_correct", "loss/alice", "loss/bob"]),
@@ -69,3 +67,30 @@ def test_example_config_runs_end_to_end(name, ray_cluster, tmp_path):
     evaluated = [0, len(trained)] if config.eval else []  # before the first step and after the last
     assert [r["step"] for r in rows if "eval/reward/mean" in r] == evaluated
     assert (tmp_path / "checkpoints").is_dir()
+
+
+def test_rsi_recipe_runs_through_the_cli_and_a_run_killed_mid_run_resumes_identically(tmp_path):
+    """examples/rsi/config.yaml on builtin:tiny through `marsi run` (its random teacher writes no valid problem: each
+    proposal pays the invalid penalty; the held-out evaluation seats the student), then the same run SIGKILLed
+    after its first step and `marsi resume`d ends with the same metrics."""
+    raw = yaml.safe_load((EXAMPLES / "rsi/config.yaml").read_text())
+    raw["environment"]["name"] = f"{EXAMPLES / 'rsi/env.py'}:RSIEnv"
+    for section in (raw["data"], raw["eval"]["data"]):
+        section["factory"] = f"{EXAMPLES / 'rsi/env.py'}:make_dataset"
+    for agent in raw["agents"].values():
+        agent.update(model="builtin:tiny", generation={"max_completion_length": 4}, optimizer={"lr": 1.0e-3})
+    raw["eval"]["max_samples"] = 4
+    raw["train"].update(steps=3, batch_size=2, num_generations=2, progress=False, checkpoint_every=1)
+    config = tmp_path / "rsi.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    out = marsi("run", config, "--run-dir", tmp_path / "whole")
+    assert out.returncode == 0, out.stderr
+    whole = rows(tmp_path / "whole")
+    training = [r for r in whole if "reward/mean" in r]
+    assert [r["trained"] for r in training] == [["teacher"]] * 3  # the student had no problem to solve
+    assert all(r["reward/proposer"] == -0.5 and r["episode/valid_problem"] == 0.0 and r["no_experiences/student"]
+               for r in training)
+    evaluated = [r for r in whole if "eval/reward/mean" in r]
+    assert [r["step"] for r in evaluated] == [0, 3] and all(r["eval/episodes"] == 4.0 for r in evaluated)
+    assert all({"eval/episode/accuracy", "eval/episode/format_valid"} <= set(r) for r in evaluated)
+    assert killed_and_resumed(config, tmp_path / "killed", 3) == without_times(whole)

@@ -1,30 +1,42 @@
-"""Alternating RSI: a proposer writes an arithmetic problem with its answer, a solver solves it, and
-optionally a verifier judges the proposer's answer. Agents swap roles from episode to episode.
+"""Self-play curriculum (Absolute Zero / R-Zero style): a proposer writes an arithmetic problem, the environment
+computes its answer itself, a solver tries it k times; no labelled training data anywhere.
 
-Turn 1: the proposer is asked for a problem that uses the sample's number, in the format
+Turn 1: the proposer gets a prompt built from a seed sample (two example numbers and an operator: only a hint) and
+answers with one line `Problem: <expression>`. The expression is checked by a tiny parser of whole numbers, + - *
+and parentheses, never by eval. It is valid when it parses, has at least one operator, at most `max_operators` of
+them and no number above `max_number` (the size cap: a longer or larger problem earns nothing, so complexity cannot
+be farmed). Turn 2: the solver is asked to compute the expression and reply `Answer: <number>`; it answers
+`attempts["solver"]` times (default 4, `roles.attempts` changes it). An attempt's answer is the integer of its
+`Answer:` line, else its last integer; it is right when that is the value.
 
-    Problem: 7 * 3 - 2
-    Answer: 19
+Rewards. Solver: 1 per right attempt, else 0. Proposer, at turn 2 from the solver's success rate p over its k
+attempts: `reward="absolute_zero"` 1 - p when 0 < p < 1, else 0 (learnability); `"r_zero"` min(p, 1 - p);
+`"cooperative"` 0.5 + 0.5 p (paid for a valid problem and for the solver's success). An invalid problem ends the
+episode at turn 1 with -`invalid_penalty` for the proposer; a problem written more than once in the batch (the
+same expression, spaces aside) has `duplicate_penalty` taken off each copy. The batch is what one call of the
+rollout loop plays: every episode's turn 1 is stepped before any episode's turn 2, so the proposals of a batch are
+all known when the first solver turn is scored (see `_Batch`).
 
-(`Problem: 7 * 3 - 2 = 19` on one line is accepted too). The problem is checked by a tiny parser of
-whole numbers, + - * and parentheses, never by eval. Turn 2: the solver gets the problem and answers;
-with `verifier=True` the verifier, in the same turn, sees the problem and the proposed answer and says
-whether it is correct (yes / no).
+`proposer="fixed"`: no proposer role; the environment writes each problem itself with `random_problem` from the
+episode's seed (the hand-written generator baseline).
 
-The problem is valid when it parses, its stated answer is right, it uses the sample's number, and it
-is not trivial (at least two numbers > 1). The shared team reward is split evenly between the acting
-roles: with two roles, 0.5 on turn 1 for a valid problem and 0.5 on turn 2 when the problem is valid
-and the solver's answer (the last integer of its reply) is right; with the verifier, thirds, the
-verifier's third paid when its verdict matches the truth. A problem that does not parse ends the
-episode after turn 1 with reward 0 (infos say why).
+Held-out samples (`make_dataset(split="eval")` / `"ood"`) carry their own problem and answer: the solver alone
+answers, reward the share of right attempts (the proposer never acts), so `reward/mean` is held-out accuracy.
+`split="eval"`: 210 problems from `random_problem` under the seed `HELD_OUT_SEED`, which training never uses, in
+three levels of 70 (1: one operator, numbers up to 10; 2: one operator, up to 20; 3: two operators, up to 10).
+`split="ood"`: 80 problems outside the training cap (40 of one operator with numbers 21-99, 40 of three operators
+up to 10).
 
-episode_info: `valid_problem`, `solver_correct` (against the true value; 0 when there was nothing to
-solve), `parsed` (the problem was an expression), and with the verifier `verifier_correct`.
+episode_info. Training: `valid_problem` (1 or 0), and for a valid problem `solver_success` (p), `problem_size`
+(operators), `distinct` (1 / copies of the problem in the batch: its mean over episodes is distinct valid problems
+per episode), `learnability`; for every episode with solver attempts `format_valid` (share of attempts with an
+`Answer: N` line) and `strict_correct` (share right with that line). Held out: `accuracy`, `format_valid`,
+`strict_correct`, and `accuracy_levelN` on the problems of level N (1-3; OOD: 4 larger
+numbers, 5 three operators).
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 
@@ -34,7 +46,11 @@ from protocols.env import Environment, StepResult
 
 _INT = re.compile(r"-?[0-9]+")
 _TOKEN = re.compile(r"\s*(?:([0-9]+)|(.))")
+_ANSWER = re.compile(r"answer\s*:\s*(-?[0-9]{1,12})\b", re.IGNORECASE)
 MAX_NUMBERS, MAX_DIGITS, MAX_CHARS = 8, 6, 120
+HELD_OUT_SEED = 20261205
+"""The seed of the held-out problems; training draws from per-episode seeds and never from this one."""
+REWARDS = ("absolute_zero", "r_zero", "cooperative")
 
 
 class ParseError(ValueError):
@@ -108,118 +124,173 @@ def evaluate(expression: str) -> tuple[int, list[int]]:
     return value, numbers
 
 
-def parse_proposal(text: str) -> tuple[str, int | None]:
-    """(expression, stated answer or None) from the proposer's reply; ParseError when there is no problem."""
+def parse_problem(text: str) -> str:
+    """The expression of the proposer's `Problem: ...` line (a trailing `= ...` or `?` dropped); ParseError when
+    there is none or it does not parse."""
     match = re.search(r"problem\s*:\s*(.*)", text, re.IGNORECASE)
     if not match:
         raise ParseError("no 'Problem:' line")
-    line = match.group(1).strip()
-    expression, equals, rest = line.partition("=")
+    expression = match.group(1).strip().partition("=")[0]
     expression = re.sub(r"^(what is|compute|calculate)\s+", "", expression.strip(), flags=re.IGNORECASE)
     expression = re.sub(r"(?<=[0-9)])\s*[xX×]\s*(?=[0-9(])", " * ", expression.rstrip(" ?."))
-    stated = re.search(r"answer\s*:\s*(-?[0-9]{1,12})\b", text, re.IGNORECASE)
-    if stated is None and equals:
-        stated = re.match(r"\s*(-?[0-9]{1,12})\b", rest)
     evaluate(expression)  # raises ParseError
-    return expression, int(stated.group(1)) if stated else None
+    return expression
+
+
+def operators(expression: str) -> int:
+    """How many binary + - * an expression has (a leading or nested minus sign is not one)."""
+    return len(re.findall(r"(?<=[0-9)])\s*[-+*]", expression))
+
+
+def random_problem(rng: random.Random, n_operators: int, low: int, high: int) -> str:
+    """A problem of `n_operators` operators (+ - * drawn evenly) on numbers drawn evenly from low..high."""
+    parts = [str(rng.randint(low, high))]
+    for _ in range(n_operators):
+        parts += [rng.choice("+-*"), str(rng.randint(low, high))]
+    return " ".join(parts)
+
+
+def solver_prompt(expression: str) -> str:
+    return f"Compute {expression}. Give the result as a single integer on one line, in the form Answer: <number>"
+
+
+def grade(texts: list[str], value: int) -> tuple[list[float], list[float], list[float]]:
+    """Per attempt: right (its answer is the value: the integer of its `Answer: N` line, else its last integer),
+    format valid (it has an `Answer: N` line), strict (format valid and right)."""
+    right, formatted, strict = [], [], []
+    for text in texts:
+        line, numbers = _ANSWER.search(text), _INT.findall(text)
+        answer = line.group(1) if line else numbers[-1] if numbers else None
+        right.append(float(answer is not None and len(answer) <= 12 and int(answer) == value))
+        formatted.append(float(line is not None))
+        strict.append(right[-1] * formatted[-1])
+    return right, formatted, strict
+
+
+class _Batch:
+    """The valid problems of the batch being played, to find duplicates. The rollout loop steps every live
+    episode's turn 1 before any turn 2, so a turn-1 step that comes after a turn-2 step opens a new batch."""
+
+    problems: dict[str, int] = {}
+    scoring = False
+
+    @classmethod
+    def add(cls, key: str) -> None:
+        if cls.scoring:
+            cls.problems, cls.scoring = {}, False
+        cls.problems[key] = cls.problems.get(key, 0) + 1
+
+    @classmethod
+    def copies(cls, key: str) -> int:
+        cls.scoring = True
+        return cls.problems.get(key, 1)
 
 
 class RSIEnv(Environment):
     max_turns = 2
+    attempts = {"solver": 4}
 
-    def __init__(self, verifier: bool = False):
-        self.verifier = verifier
-        self.possible_agents = ["proposer", "solver"] + (["verifier"] if verifier else [])
-        self.share = 1.0 / len(self.possible_agents)
+    def __init__(self, reward: str = "absolute_zero", invalid_penalty: float = 0.5, duplicate_penalty: float = 0.5,
+                 max_operators: int = 2, max_number: int = 20, proposer: str = "model"):
+        if reward not in REWARDS:
+            raise ValueError(f"environment.kwargs.reward: {reward!r}; give one of {', '.join(REWARDS)}")
+        if proposer not in ("model", "fixed"):
+            raise ValueError(f"environment.kwargs.proposer: {proposer!r}; give model or fixed")
+        self.reward, self.invalid_penalty, self.duplicate_penalty = reward, invalid_penalty, duplicate_penalty
+        self.max_operators, self.max_number, self.fixed = max_operators, max_number, proposer == "fixed"
+        self.possible_agents = ["solver"] if self.fixed else ["proposer", "solver"]
 
     def reset(self, sample, seed=None):
-        self.number, self.a, self.b = int(sample["number"]), int(sample["a"]), int(sample["b"])
-        self.turn, self.value, self.stated = 0, None, None
-        self.parsed = self.valid = self.solved = self.judged = False
-        n = self.number
-        return {"proposer": (f"Write a short arithmetic problem that uses the number {n}, for example "
-                             f"{n} + {self.a} or {self.b} * {n} - 1, with only whole numbers and + - *. "
-                             f"Give it with its answer, in this format:\nProblem: ...\nAnswer: ...")}
+        self.info: dict[str, float] = {}
+        self.held_out = "problem" in sample
+        if self.held_out:
+            self.expression, self.value, self.level = sample["problem"], int(sample["answer"]), int(sample["level"])
+            return {"solver": solver_prompt(self.expression)}
+        if self.fixed:
+            rng = random.Random(seed)
+            self.expression = random_problem(rng, rng.randint(1, self.max_operators), 1, self.max_number)
+            return self._accept()
+        a, b, op = int(sample["a"]), int(sample["b"]), sample["op"]
+        return {"proposer": (f"Example:\nProblem: {a} {op} {b}\n\nWrite a different problem in the same format, with "
+                             f"whole numbers up to {self.max_number} and at most {self.max_operators} of + - *. "
+                             f"Reply with only the line Problem: ...")}
 
     def step(self, actions):
-        self.turn += 1
-        if self.turn == 1:
-            return self._proposal(actions.get("proposer", ""))
-        infos, reward = {}, 0.0
-        solution = _INT.findall(actions.get("solver", ""))
-        if not solution:
-            infos["solver"] = {"invalid": True, "reason": "no integer in the answer"}
-        self.solved = bool(solution) and len(solution[-1]) <= 12 and int(solution[-1]) == self.value
-        reward += self.share * (self.valid and self.solved)
-        if "verifier" in actions:
-            verdict = re.search(r"\b(yes|no)\b", actions["verifier"], re.IGNORECASE)
-            if verdict is None:
-                infos["verifier"] = {"invalid": True, "reason": "no yes/no verdict"}
-            else:
-                self.judged = (verdict.group(1).lower() == "yes") == (self.stated == self.value)
-                reward += self.share * self.judged
-        return StepResult(prompts={}, reward=reward, terminated=True, infos=infos)
+        if "proposer" in actions:
+            return self._proposal(actions["proposer"])
+        right, formatted, strict = grade(actions["solver"], self.value)
+        p = sum(right) / len(right)
+        self.info.update(format_valid=sum(formatted) / len(right), strict_correct=sum(strict) / len(right))
+        infos = {"solver": {"attempts": [{"success": r} if a.strip() else {"invalid": True, "reason": "empty answer",
+                                                                           "success": 0.0}
+                                         for r, a in zip(right, actions["solver"])]}}
+        if self.held_out:
+            self.info.update(accuracy=p, **{f"accuracy_level{self.level}": p})
+            return StepResult(prompts={}, reward=p, terminated=True, infos=infos)
+        self.info["solver_success"] = p
+        if self.fixed:
+            return StepResult(prompts={}, reward={"solver": right}, terminated=True, infos=infos)
+        copies = _Batch.copies(self.key)
+        self.info.update(distinct=1.0 / copies, learnability=1.0 - p if 0 < p < 1 else 0.0)
+        paid = {"absolute_zero": self.info["learnability"], "r_zero": min(p, 1.0 - p), "cooperative": 0.5 + 0.5 * p}
+        proposer = paid[self.reward] - self.duplicate_penalty * (copies > 1)
+        return StepResult(prompts={}, reward={"proposer": proposer, "solver": right}, terminated=True, infos=infos)
 
     def episode_info(self):
-        info = {"parsed": float(self.parsed), "valid_problem": float(self.valid), "solver_correct": float(self.solved)}
-        if self.verifier:
-            info["verifier_correct"] = float(self.judged)
-        return info
+        return dict(self.info)
 
     def _proposal(self, text: str) -> StepResult:
+        self.info["valid_problem"] = 0.0
         try:
-            expression, self.stated = parse_proposal(text)
-            self.value, numbers = evaluate(expression)
+            self.expression = parse_problem(text)
+            self.value, numbers = evaluate(self.expression)
         except ParseError as exc:
-            return StepResult(prompts={}, reward=0.0, terminated=True,
-                              infos={"proposer": {"invalid": True, "reason": f"problem does not parse: {exc}"}})
-        self.parsed = True
-        reasons = []
-        if self.stated is None:
-            reasons.append("no 'Answer: <integer>'")
-        elif self.stated != self.value:
-            reasons.append(f"stated answer {self.stated} but the value is {self.value}")
-        if self.number not in numbers:
-            reasons.append(f"does not use the number {self.number}")
-        if sum(abs(x) > 1 for x in numbers) < 2:
-            reasons.append("trivial: fewer than two numbers > 1")
-        self.valid = not reasons
-        infos = {"proposer": {"valid": self.valid, "reasons": reasons}}
-        prompts = {"solver": f"Solve: {expression}\nReply with just the number."}
-        if self.verifier and self.stated is not None:
-            prompts["verifier"] = (f"A student was given this problem and a proposed answer.\nProblem: {expression}\n"
-                                   f"Proposed answer: {self.stated}\nIs the proposed answer correct? Reply yes or no.")
-        return StepResult(prompts=prompts, reward=self.share * self.valid, infos=infos)
+            return self._invalid(f"problem does not parse: {exc}")
+        size = operators(self.expression)
+        if size == 0:
+            return self._invalid("no operator: a bare number is not a problem")
+        if size > self.max_operators:
+            return self._invalid(f"{size} operators; at most {self.max_operators}")
+        if max(abs(n) for n in numbers) > self.max_number:
+            return self._invalid(f"a number above {self.max_number}")
+        self.info.update(valid_problem=1.0, problem_size=float(size))
+        self.key = re.sub(r"\s+", "", self.expression)
+        _Batch.add(self.key)
+        return StepResult(prompts=self._accept(), reward={"proposer": 0.0}, infos={"proposer": {"valid": True}})
+
+    def _accept(self) -> dict[str, str]:
+        self.value = evaluate(self.expression)[0]
+        return {"solver": solver_prompt(self.expression)}
+
+    def _invalid(self, reason: str) -> StepResult:
+        return StepResult(prompts={}, reward={"proposer": -self.invalid_penalty}, terminated=True,
+                          infos={"proposer": {"invalid": True, "reason": reason}})
 
 
-def make_dataset(n: int = 128, seed: int = 0, low: int = 2, high: int = 20, split: str = "train") -> datasets.Dataset:
-    """`n` samples: the number the problem must use, and two small numbers for the prompt's examples. `split`: "train" or "eval", a fixed partition of the
-    possible samples (about one in five is held out for evaluation), so no evaluation sample is a training one."""
-    rng = random.Random(seed)
-    rows = []
-    while len(rows) < n:
-        row = {"number": rng.randint(low, high), "a": rng.randint(2, 9), "b": rng.randint(2, 5)}
-        if in_split(f"{row['number']}/{row['a']}/{row['b']}", split):
-            rows.append(row)
+def make_dataset(n: int = 256, seed: int = 0, split: str = "train") -> datasets.Dataset:
+    """`split="train"`: `n` prompt seeds (two example numbers and an operator for the proposer's prompt; no problem,
+    no answer). `"eval"` and `"ood"`: the fixed labelled held-out sets (module docstring), whatever `n` and `seed`."""
+    if split == "train":
+        rng = random.Random(seed)
+        return datasets.Dataset.from_list([{"a": rng.randint(1, 20), "b": rng.randint(1, 20), "op": rng.choice("+-*")}
+                                           for _ in range(n)])
+    levels = {"eval": [(1, 70, 1, 1, 10), (2, 70, 1, 1, 20), (3, 70, 2, 1, 10)],
+              "ood": [(4, 40, 1, 21, 99), (5, 40, 3, 1, 10)]}
+    if split not in levels:
+        raise ValueError(f"split must be 'train', 'eval' or 'ood', got {split!r}")
+    rng, rows = random.Random(HELD_OUT_SEED), []
+    for level, count, n_operators, low, high in levels[split]:
+        for _ in range(count):
+            problem = random_problem(rng, n_operators, low, high)
+            rows.append({"problem": problem, "answer": evaluate(problem)[0], "level": level})
     return datasets.Dataset.from_list(rows)
 
 
-def in_split(key: str, split: str) -> bool:
-    """Whether a sample keyed `key` belongs to `split`: a fixed hash partition, one in five held out for "eval"."""
-    if split not in ("train", "eval"):
-        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    return (int(hashlib.sha256(key.encode()).hexdigest(), 16) % 5 == 0) == (split == "eval")
-
-
 def sample_action(role: str, prompt, rng: random.Random) -> str:
-    """Well-formed random actions: a problem using the prompt's number (answer right 3 times in 4), a
-    number for the solver, yes / no for the verifier."""
+    """Well-formed random actions: a problem within the cap for the proposer (now and then too big), an
+    `Answer: N` line for the solver (right now and then)."""
     if role == "proposer":
-        match = re.search(r"uses the number (-?[0-9]+)", prompt)
-        n, k = int(match.group(1)) if match else 7, rng.randint(2, 9)
-        op = rng.choice("+-*")
-        value = {"+": n + k, "-": n - k, "*": n * k}[op] + (rng.random() < 0.25)
-        return rng.choice([f"Problem: {n} {op} {k}\nAnswer: {value}", f"Problem: {n} {op} {k} = {value}"])
-    if role == "verifier":
-        return rng.choice(["yes", "no", "Yes, it is correct.", "No."])
-    return str(rng.randint(0, 100))
+        return "Problem: " + random_problem(rng, rng.choice([1, 1, 2, 3]), 1, 20)
+    match = re.search(r"Compute (.*)\. Give", prompt)
+    value = evaluate(match.group(1))[0] if match else 0
+    return f"Answer: {value + rng.choice([0, 0, 1, -2])}"
