@@ -230,7 +230,7 @@ def test_a_lease_in_s3_without_boto3_is_said_to_be_not_atomic(tmp_path, s3, clie
     from agent_trainer import conditional
     from orchestrator.runlog import RunLog
 
-    monkeypatch.setattr(storage, "deadline_s", 120.0)
+    monkeypatch.setattr(storage.deadline, "seconds", 120.0)
     log = RunLog(tmp_path / "with" / "run", storage=f"s3://{BUCKET}/with-boto3")
     log.claim(resume=False)
     assert conditional.atomic(log.lease.where) and "atomically" not in capsys.readouterr().err
