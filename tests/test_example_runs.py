@@ -10,7 +10,8 @@ import yaml
 
 from orchestrator.coordinator import Coordinator
 from protocols.config import load_config
-from tests.runs import killed_and_resumed, marsi, rows, without_times
+from tests.inproc import marsi
+from tests.runs import killed_and_resumed, rows, without_times
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -72,7 +73,8 @@ def test_example_config_runs_end_to_end(name, ray_cluster, tmp_path):
 def test_rsi_recipe_runs_through_the_cli_and_a_run_killed_mid_run_resumes_identically(tmp_path):
     """examples/rsi/config.yaml on builtin:tiny through `marsi run` (its random teacher writes no valid problem: each
     proposal pays the invalid penalty; the held-out evaluation seats the student), then the same run SIGKILLed
-    after its first step and `marsi resume`d ends with the same metrics."""
+    after its first step and `marsi resume`d ends with the same metrics. Without Ray: a run's trainers on Ray, killed
+    and restored, are the subject of tests/test_reliability.py; here the recipe is."""
     raw = yaml.safe_load((EXAMPLES / "rsi/config.yaml").read_text())
     raw["environment"]["name"] = f"{EXAMPLES / 'rsi/env.py'}:RSIEnv"
     for section in (raw["data"], raw["eval"]["data"]):
@@ -81,6 +83,7 @@ def test_rsi_recipe_runs_through_the_cli_and_a_run_killed_mid_run_resumes_identi
         agent.update(model="builtin:tiny", generation={"max_completion_length": 4}, optimizer={"lr": 1.0e-3})
     raw["eval"]["max_samples"] = 4
     raw["train"].update(steps=3, batch_size=2, num_generations=2, progress=False, checkpoint_every=1)
+    raw["ray"] = {"enabled": False}
     config = tmp_path / "rsi.yaml"
     config.write_text(yaml.safe_dump(raw))
     out = marsi("run", config, "--run-dir", tmp_path / "whole")
