@@ -3,8 +3,8 @@
     python benchmarks/precision_auto.py [--batch 8] [--tokens 16] [--repeats 3] [--threads 1]
 
 Models: builtin:tiny, a tiny local Llama (d=64, 2 layers: the kind of model bf16 cannot speed up) and
-SmolLM2-135M-Instruct. For each, a fresh trainer per dtype; the three are timed in turn, `--repeats` rounds, so a
-change in the machine's load hits all of them alike; the median step is printed, and auto's step over the faster
+SmolLM2-135M-Instruct. For each, a fresh trainer per dtype; the three are timed in turn, in an order reversed every round, `--repeats`
+rounds, so a change in the machine's load hits all of them alike and none always runs after another; the median step is printed, and auto's step over the faster
 of float32 and bfloat16. Where this CPU only emulates bf16 (no avx512_bf16 / amx_bf16), a SmolLM2 bf16 step takes
 minutes: it is timed with `--emulated` only; otherwise its row gives the matmul probe's bf16 slowdown instead.
 The last line: `auto / fastest: worst R` over the models timed in all three.
@@ -60,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--emulated", action="store_true", help="time SmolLM2 in bf16 where bf16 is emulated")
     args = parser.parse_args()
@@ -82,8 +82,9 @@ def main() -> None:
                         for d in dtypes}
             times: dict[str, list[float]] = {d: [] for d in dtypes}
             for r in range(args.repeats + 1):  # the first round warms up
-                for d, t in trainers.items():
-                    seconds = step(t, prompts, args.tokens, seed=r)
+                order = list(trainers) if r % 2 else list(reversed(trainers))  # no dtype always after another
+                for d in order:
+                    seconds = step(trainers[d], prompts, args.tokens, seed=r)
                     if r:
                         times[d].append(seconds)
             median = {d: statistics.median(v) for d, v in times.items()}
