@@ -27,7 +27,8 @@ from agent_trainer.agent import Agent
 from agent_trainer.dispatch import Publish, WorkersDisagree, declaration_of
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool, TrainerStartError
 from agent_trainer.group import bundle_of, fit_problem, local_cluster_problem
-from protocols.config import RayConfig, RunConfig, critic_members, host_resources, joins_cluster, member_layout
+from protocols.config import RayConfig, RunConfig, joins_cluster
+from protocols.plan import RunPlan, plan_of
 from protocols.errors import describe, one_line
 from protocols.messages import ForwardedEnv
 
@@ -99,16 +100,16 @@ def init_ray(config: RayConfig) -> bool:
     return True
 
 
-def start_ray(config: RunConfig) -> bool:
+def start_ray(config: RunConfig, plan: RunPlan) -> bool:
     """`init_ray`, having checked first that the cluster can place the trainers (`fit_problem`): a local cluster
     against this machine's node before it starts, a cluster marsi joins once joined (and then left again). A
     problem is one PlacementError, with nothing said before it; False if Ray was already up."""
     if not ray.is_initialized() and not joins_cluster(config.ray):
-        problem = local_cluster_problem(config)
+        problem = local_cluster_problem(config, plan)
         if problem:
             raise PlacementError(problem)
     owns = init_ray(config.ray)
-    problem = cluster_problem(config)
+    problem = cluster_problem(config, plan)
     if problem:
         if owns:
             ray.shutdown()
@@ -143,7 +144,7 @@ class _TrainerActor:
     """Holds one host (`agent_trainer.hosts.Host`): its agents' trainers; Ray pins it to its bundle, and
     CUDA_VISIBLE_DEVICES to its GPU."""
 
-    def __init__(self, host, config, updates, threads, forwarded: ForwardedEnv | None = None):
+    def __init__(self, host, config, plan, updates, threads, forwarded: ForwardedEnv | None = None):
         if forwarded is not None:
             forwarded.apply()  # before anything reads the environment (the store's client, the model hub's)
         started = time.perf_counter()
@@ -158,7 +159,7 @@ class _TrainerActor:
         self.host, self.error = None, None
         self.group_store = None  # worker 0 of a data-parallel agent: its group's store, from open_store to join
         try:
-            self.host = Host(host, config, updates, where=self.node)
+            self.host = Host(host, config, plan, updates, where=self.node)
         except TrainerStartError as exc:  # reported by info(), so the driver gets one clean line
             self.error = str(exc)
         self.start_s = time.perf_counter() - started  # imports, the models, the optimizer
@@ -248,10 +249,10 @@ def group_request(resources: dict[str, Any], hosts: list[str]) -> dict[str, Any]
     return {"bundles": bundles, **({"bundle_label_selector": selectors} if any(selectors) else {})}
 
 
-def cluster_problem(config: RunConfig) -> str | None:
+def cluster_problem(config: RunConfig, plan: RunPlan) -> str | None:
     """Why the Ray cluster this process is connected to can never place the trainers (too few CPUs or GPUs in
     all, a custom resource or GPU type no node has, a label selector no live node matches), or None."""
-    return fit_problem(config, ray.cluster_resources(), ray.nodes(), "the Ray cluster")
+    return fit_problem(config, plan, ray.cluster_resources(), ray.nodes(), "the Ray cluster")
 
 
 def nodes_note(spread: int | None) -> str:
@@ -295,34 +296,36 @@ class RayTrainers(TrainerPool):
     engines: dict[str, Any] = {}  # set per pool in __init__; empty for a pool built without it
     engines_apart: frozenset[str] | set[str] = frozenset()
 
-    def __init__(self, config: RunConfig, updates: dict[str, int]):
+    def __init__(self, config: RunConfig, plan: RunPlan, updates: dict[str, int]):
+        """`plan`: `config`'s (`protocols.plan`); `updates`: agent -> the updates it is scheduled for."""
         from agent_trainer.group import num_threads
 
-        problem = cluster_problem(config)
+        problem = cluster_problem(config, plan)
         if problem:  # cannot be placed at all: say so now rather than after placement_timeout_s
             raise PlacementError(problem)
-        layout = member_layout(config)  # the agents' hosts, and the critics'
-        self.agents = [*config.agents, *critic_members(config)]
-        self.critics = set(critic_members(config))
+        layout = plan.member_layout  # the agents' hosts, and the critics'
+        self.agents = [*config.agents, *plan.critic_members]
+        self.critics = set(plan.critic_members)
         self.call_timeout, self.checkpoint_timeout = config.train.call_timeout_s, config.train.checkpoint_timeout_s
-        resources = host_resources(config)  # a host's agents share it; a critic's own host asks its own
+        resources = plan.host_resources  # a host's agents share it; a critic's own host asks its own
         runtime_env, forwarded = trainer_env(config.ray), forwarded_env(config.ray)
-        plan = placement_plan(resources, config.ray.placement_strategy)
-        requests = [group_request(resources, hosts) for _, hosts in plan]
+        placement = placement_plan(resources, config.ray.placement_strategy)
+        requests = [group_request(resources, hosts) for _, hosts in placement]
         apart = {a: spec.rollout.resources or spec.resources for a, spec in config.agents.items()
                  if spec.rollout.placement == "separate"}  # agents whose rollout engine is an actor of its own
         if apart:  # the engines in a group of their own, placed as the run's trainers are
-            plan.append((config.ray.placement_strategy, []))
+            placement.append((config.ray.placement_strategy, []))
             requests.append({"bundles": [bundle_of(r) for r in apart.values()]})
-        self.groups = [placement_group(strategy=strategy, **request) for (strategy, _), request in zip(plan, requests)]
+        self.groups = [placement_group(strategy=strategy, **request)
+                       for (strategy, _), request in zip(placement, requests)]
         try:
             ray.get([group.ready() for group in self.groups], timeout=config.ray.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             self._remove_groups()
-            asked = ", ".join(f"{host}: {bundle_of(resources[host])}" for _, hosts in plan for host in hosts
+            asked = ", ".join(f"{host}: {bundle_of(resources[host])}" for _, hosts in placement for host in hosts
                               for _ in range(resources[host].num_workers))
             asked += "".join(f", {agent} (rollout engine): {bundle_of(r)}" for agent, r in apart.items())
-            spread = [len(r["bundles"]) for (strategy, _), r in zip(plan, requests) if strategy == "STRICT_SPREAD"]
+            spread = [len(r["bundles"]) for (strategy, _), r in zip(placement, requests) if strategy == "STRICT_SPREAD"]
             free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")}
             raise PlacementError(
                 f"trainers could not be placed within {config.ray.placement_timeout_s:.0f}s; asked for {asked}"
@@ -331,7 +334,7 @@ class RayTrainers(TrainerPool):
             ) from None
         actor_cls = ray.remote(_TrainerActor)
         self.layout, self.workers = layout, {}
-        for group_of_hosts, (_, hosts) in zip(self.groups, plan):
+        for group_of_hosts, (_, hosts) in zip(self.groups, placement):
             bundle = 0
             for host in hosts:
                 r, workers = resources[host], []
@@ -340,16 +343,17 @@ class RayTrainers(TrainerPool):
                         num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
                         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group_of_hosts,
                                                                              placement_group_bundle_index=bundle),
-                    ).remote(host, config, updates, num_threads(r.num_cpus), forwarded))
+                    ).remote(host, config, plan, updates, num_threads(r.num_cpus), forwarded))
                     bundle += 1
                 self.workers.update(dict.fromkeys(layout[host], workers))
         self.engines = {}  # agent -> its rollout engine's actor (rollout.placement: separate)
         for bundle, (agent, r) in enumerate(apart.items()):
+            engine = engine_config(config, agent)  # another config than the pool's: a plan of its own
             self.engines[agent] = actor_cls.options(
                 num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.groups[-1],
                                                                      placement_group_bundle_index=bundle),
-            ).remote(agent, engine_config(config, agent), updates, num_threads(r.num_cpus), forwarded)
+            ).remote(agent, engine, plan_of(engine), updates, num_threads(r.num_cpus), forwarded)
         self.engines_apart = set(self.engines)
         self.published: dict[str, dict[int, Any]] = {a: {} for a in self.engines}  # version -> weights' object ref
         self.engine_version: dict[str, int | None] = dict.fromkeys(self.engines)

@@ -9,9 +9,9 @@ from the lambda-returns of each step (`algorithm.baseline: critic`, the `critic`
 docs/rl-maths.md). It is a kind beside the agent, and everything the run does to an agent's process it
 does to a critic's:
 
-- **Placed.** `protocols.config.member_layout` puts each critic in a host: one of its own (`placement: own`,
-  with `critic.resources`) or its agent's (`placement: agent`). `hosts.Host` starts it after the host's
-  agents, so that a head on an agent's model (`model: agent`) finds that model there.
+- **Placed.** The run plan's `member_layout` (`protocols.plan`) puts each critic in a host: one of its own
+  (`placement: own`, with `critic.resources`) or its agent's (`placement: agent`). `hosts.Host` starts it after
+  the host's agents, so that a head on an agent's model (`model: agent`) finds that model there.
 - **Served.** `Critic` below is what a host serves for it: `values` and `update` are its own methods, each
   declaring its dispatch (`@register`), and save, load, probe and digest come from `agent.Served`, the
   methods every kind answers alike. A pool reaches it by name like an agent: `pool.each(Critic.values, ...)`.

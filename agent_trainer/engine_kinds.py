@@ -15,8 +15,10 @@ from protocols.config import AgentConfig
 
 def make_engine(agent: AgentConfig, model: torch.nn.Module, *, model_path: str, tokenizer_path: str,
                 stop_ids: list[int], pad_id: int, device: torch.device, seed: int,
-                autocast: Callable[[], ContextManager]) -> RolloutEngine:
-    """The engine `agent.rollout.engine` names, sampling from `model` (whose weights came from `model_path`)."""
+                autocast: Callable[[], ContextManager], kv_cache_sequences: int | None = None) -> RolloutEngine:
+    """The engine `agent.rollout.engine` names, sampling from `model` (whose weights came from `model_path`);
+    `kv_cache_sequences`: a vLLM engine's CPU KV-cache size, as the run's plan sizes it
+    (`RunPlan.engine_cache_sizes`)."""
     gen = agent.generation
     if agent.rollout.engine == "hf":
         return HFEngine(model, top_k=gen.top_k, top_p=gen.top_p, stop_ids=stop_ids, pad_id=pad_id, device=device,
@@ -25,4 +27,4 @@ def make_engine(agent: AgentConfig, model: torch.nn.Module, *, model_path: str, 
 
     return VLLMEngine(model_path=model_path, tokenizer_path=tokenizer_path, generation=gen,
                       settings=agent.rollout.vllm, dtype=agent.rollout.vllm.dtype or agent.dtype,
-                      stop_ids=stop_ids, device=device, seed=seed)
+                      stop_ids=stop_ids, device=device, seed=seed, kv_cache_sequences=kv_cache_sequences)

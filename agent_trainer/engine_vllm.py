@@ -139,7 +139,10 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, *, model_path: str, tokenizer_path: str, generation: GenerationConfig, settings: VLLMConfig,
-                 dtype: str, stop_ids: list[int], device: torch.device, seed: int):
+                 dtype: str, stop_ids: list[int], device: torch.device, seed: int,
+                 kv_cache_sequences: int | None = None):
+        """`kv_cache_sequences`: whole sequences the CPU KV cache holds, as the run's plan sizes it
+        (`RunPlan.engine_cache_sizes`); None: `settings.kv_cache_sequences`, else `settings.max_num_seqs`."""
         _configure_environment()
         self.generation, self.settings, self.stop_ids = generation, settings, stop_ids
         self.max_model_len = generation.max_prompt_length + generation.max_completion_length
@@ -152,7 +155,7 @@ class VLLMEngine:
         elif not on_gpu:  # sized to the run: the rows of the agent's largest generate call
             kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
                 model_path, dtype=dtype, max_model_len=self.max_model_len,
-                sequences=settings.kv_cache_sequences or settings.max_num_seqs)
+                sequences=kv_cache_sequences or settings.kv_cache_sequences or settings.max_num_seqs)
         self.kv_cache_bytes = kwargs.get("kv_cache_memory_bytes")
         if on_gpu:
             kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization,

@@ -13,14 +13,16 @@ from typing import Any, Callable
 
 from agent_trainer.dispatch import declaration_of
 from agent_trainer.handle import TrainerFailure, TrainerPool
-from protocols.config import RunConfig, critic_members, host_layout, host_resources, label_matches, member_layout
+from protocols.config import RunConfig, label_matches
+from protocols.plan import RunPlan
 from protocols.errors import describe
 
 
-def placement_problem(config: RunConfig, cpus: float, gpus: float, where: str) -> str | None:
-    """Why the hosts' resource requests cannot fit `cpus` and `gpus` in all, and what to lower, or None.
-    A host (an agent's own, or one adapter agents share) asks for its per-worker resources once per worker."""
-    asked = host_resources(config)
+def placement_problem(config: RunConfig, plan: RunPlan, cpus: float, gpus: float, where: str) -> str | None:
+    """Why the hosts' resource requests (`plan.host_resources`) cannot fit `cpus` and `gpus` in all, and what to
+    lower, or None. A host (an agent's own, or one adapter agents share) asks for its per-worker resources once per
+    worker."""
+    asked = dict(plan.host_resources)
     for name, agent in config.agents.items():  # a rollout engine of its own asks for its resources too
         if agent.rollout.placement == "separate":
             asked[f"{name} (rollout engine)"] = agent.rollout.resources or agent.resources
@@ -78,14 +80,15 @@ def missing_resources(resources: dict[str, Any], layout: dict[str, list[str]], t
     return None
 
 
-def fit_problem(config: RunConfig, total: dict[str, float], nodes: list[dict[str, Any]], where: str) -> str | None:
+def fit_problem(config: RunConfig, plan: RunPlan, total: dict[str, float], nodes: list[dict[str, Any]],
+                where: str) -> str | None:
     """Why a cluster (`total`: its resources in all; `nodes`: as ray.nodes() lists them) can never place the
     trainers: too few CPUs or GPUs in all, a custom resource or GPU type no node has, a label selector no live
     node matches; or None."""
-    problem = placement_problem(config, total.get("CPU", 0.0), total.get("GPU", 0.0), where)
+    problem = placement_problem(config, plan, total.get("CPU", 0.0), total.get("GPU", 0.0), where)
     if problem:
         return problem
-    layout = host_layout(config)
+    layout = plan.host_layout
     resources = {host: config.agents[agents[0]].resources for host, agents in layout.items()}
     return missing_resources(resources, layout, total, where) or unmatched_labels(resources, layout, nodes, where)
 
@@ -94,7 +97,7 @@ NODE_ID_LABEL = "ray.io/node-id"
 """The label Ray gives each node, its id: known only once the node runs."""
 
 
-def local_cluster_problem(config: RunConfig) -> str | None:
+def local_cluster_problem(config: RunConfig, plan: RunPlan) -> str | None:
     """`fit_problem` for the local Ray cluster `marsi run` would start (ray.enabled, no ray.address), before it
     starts: this machine's node as Ray would make it (its CPUs and GPUs, or ray.num_cpus and ray.num_gpus; its
     GPU type; the labels Ray gives it; no custom resources). A selector on the node's id is left to the running
@@ -106,12 +109,12 @@ def local_cluster_problem(config: RunConfig) -> str | None:
             is_head=True, node_ip_address="127.0.0.1")  # as ray.init(num_cpus=..., num_gpus=...) makes it
         total, labels = node.to_resource_dict(), dict(node.labels)
     except Exception:  # another Ray's internals: the running cluster is checked once it is up
-        return placement_problem(config, *local_resources(config), "the local cluster")
+        return placement_problem(config, plan, *local_resources(config), "the local cluster")
     known = config.model_copy(update={"agents": {
         name: agent.model_copy(update={"resources": agent.resources.model_copy(update={"label_selector": {
             k: v for k, v in agent.resources.label_selector.items() if k != NODE_ID_LABEL}})})
         for name, agent in config.agents.items()}})
-    return fit_problem(known, total, [{"Alive": True, "Labels": labels}], "the local cluster")
+    return fit_problem(known, plan, total, [{"Alive": True, "Labels": labels}], "the local cluster")
 
 
 def local_resources(config: RunConfig) -> tuple[float, float]:
@@ -159,7 +162,8 @@ class LocalTrainers(TrainerPool):
     """Trainers as plain objects in this process, on their hosts (adapter agents of one host share a base);
     calls run one after another."""
 
-    def __init__(self, config: RunConfig, updates: dict[str, int]):
+    def __init__(self, config: RunConfig, plan: RunPlan, updates: dict[str, int]):
+        """`plan`: `config`'s (`protocols.plan`); `updates`: agent -> the updates it is scheduled for."""
         import torch
 
         from agent_trainer.hosts import Host
@@ -167,15 +171,14 @@ class LocalTrainers(TrainerPool):
         self.set_threads = torch.set_num_threads
         self.lock = threading.Lock()
         return_freed_memory()
-        self.agents = [*config.agents, *critic_members(config)]  # and the critics, served like agents
-        self.critics = set(critic_members(config))
+        self.agents = [*config.agents, *plan.critic_members]  # and the critics, served like agents
+        self.critics = set(plan.critic_members)
         self.hosts: dict[str, Host] = {}  # agent or critic -> its host
-        resources = host_resources(config)
-        self.threads = {name: num_threads(resources[host].num_cpus)
-                        for host, names in member_layout(config).items() for name in names}
-        for host, names in member_layout(config).items():
+        self.threads = {name: num_threads(plan.host_resources[host].num_cpus)
+                        for host, names in plan.member_layout.items() for name in names}
+        for host, names in plan.member_layout.items():
             self.set_threads(self.threads[names[0]])
-            started = Host(host, config, updates)
+            started = Host(host, config, plan, updates)
             self.hosts.update(dict.fromkeys(names, started))
         self.trainers = {name: host.trainers[name] for name, host in self.hosts.items()}
         self.start_info = self.info()

@@ -1,7 +1,8 @@
 """Hosts: the process that holds agents. A host holds one full-model agent (`AgentTrainer`), or several
 adapter agents (`adapters.AdapterTrainer`) on one shared base model (`agents.NAME.host`,
-`hosts.NAME.resources`); `protocols.config.host_layout` says which. A critic (`agent_trainer.critic`) lives
-in a host too, its own or an agent's (`protocols.config.member_layout`), started after the host's agents.
+`hosts.NAME.resources`); the run's plan (`protocols.plan.RunPlan.host_layout`) says which. A critic
+(`agent_trainer.critic`) lives in a host too, its own or an agent's (`RunPlan.member_layout`), started after the
+host's agents.
 
 `Host` is plain Python: `LocalTrainers` keeps its hosts in this process, and the Ray wrapper
 (`agent_trainer.actor`) puts each in an actor of its own. Either way a call names the agent it is for and an
@@ -22,26 +23,30 @@ from agent_trainer.critic_trainer import CriticTrainer
 from agent_trainer.dispatch import dispatch_of
 from agent_trainer.handle import TrainerStartError
 from agent_trainer.trainer import AgentTrainer
-from protocols.config import RunConfig, critic_host_agent, critic_members, member_layout
+from protocols.config import RunConfig
 from protocols.errors import describe
+from protocols.plan import RunPlan
 
 
 class Host:
     """The trainers of one host's agents, then its critics; adapter agents among them share one base model."""
 
-    def __init__(self, host: str, config: RunConfig, updates: dict[str, int], where: str = "this machine"):
+    def __init__(self, host: str, config: RunConfig, plan: RunPlan, updates: dict[str, int],
+                 where: str = "this machine"):
+        """`plan`: `config`'s (`protocols.plan`); `updates`: agent -> the updates it is scheduled for."""
         self.name = host
-        self.agents = member_layout(config)[host]
+        self.agents = plan.member_layout[host]
         indices = {name: i for i, name in enumerate(config.agents)}  # seeds follow the declaration order
         base = SharedBase() if any(config.agents[a].adapter is not None for a in self.agents if a in indices) else None
         self.trainers: dict[str, Any] = {}
         self.served: dict[str, Served] = {}
         for name in self.agents:
             if name in indices:
-                self.trainers[name] = start_trainer(name, config, indices[name], updates[name], where=where, base=base)
+                self.trainers[name] = start_trainer(name, config, plan, indices[name], updates[name], where=where,
+                                                    base=base)
                 self.served[name] = Agent(self.trainers[name])
             else:  # a critic: after the agents, whose model a head may sit on
-                self.trainers[name] = start_critic(name, config, self.trainers)
+                self.trainers[name] = start_critic(name, config, plan, self.trainers)
                 self.served[name] = Critic(self.trainers[name])
 
     def call(self, member: str, method: Callable, *args: Any) -> Any:
@@ -50,13 +55,13 @@ class Host:
         return method(self.served[member], *args)
 
 
-def start_critic(name: str, config: RunConfig, trainers: dict[str, Any]):
+def start_critic(name: str, config: RunConfig, plan: RunPlan, trainers: dict[str, Any]):
     """The trainer of critic `name`, on the model of the agent that hosts it (`critic.model: agent`, an agent
     of this host) or an LM of its own; any failure becomes a one-line TrainerStartError."""
     critic = config.critic
-    agent = trainers[critic_host_agent(config, name)] if critic.model == "agent" else None
+    agent = trainers[plan.critic_host_agents[name]] if critic.model == "agent" else None
     try:
-        return CriticTrainer(name, critic, seed=config.train.seed + 10_000 + list(critic_members(config)).index(name),
+        return CriticTrainer(name, critic, seed=config.train.seed + 10_000 + list(plan.critic_members).index(name),
                              total_updates=config.train.steps,
                              agent=agent)
     except Exception as exc:
@@ -75,7 +80,7 @@ def missing_model_path(name: str, config: RunConfig, where: str) -> str | None:
     return None
 
 
-def start_trainer(name: str, config: RunConfig, index: int, total_updates: int,
+def start_trainer(name: str, config: RunConfig, plan: RunPlan, index: int, total_updates: int,
                   where: str = "this machine", base: SharedBase | None = None) -> AgentTrainer:
     """The trainer of agent `name`, of its host kind (an adapter agent on `base`, the host's shared base
     model; else a full-model agent); any failure becomes a one-line TrainerStartError. `where` names the
@@ -91,7 +96,8 @@ def start_trainer(name: str, config: RunConfig, index: int, total_updates: int,
         if agent.adapter is not None:
             trainer = AdapterTrainer(name, agent, config.algorithm, base=base, **kwargs)
         else:
-            trainer = AgentTrainer(name, agent, config.algorithm, **kwargs)
+            trainer = AgentTrainer(name, agent, config.algorithm, kv_cache_sequences=plan.engine_cache_sizes.get(name),
+                                   **kwargs)
     except Exception as exc:
         raise TrainerStartError(f"agent {name!r} could not start: {describe(exc)}") from exc
     trainer.where = where

@@ -89,7 +89,10 @@ class AgentTrainer:
     """How messages name the node this trainer runs on (its host sets it: `node NAME (IP, id ...)` under Ray)."""
 
     def __init__(self, name: str, agent: AgentConfig, algorithm: AlgorithmConfig, *, seed: int = 0,
-                 total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True):
+                 total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True,
+                 kv_cache_sequences: int | None = None):
+        """`kv_cache_sequences`: a vLLM engine's CPU KV-cache size in whole sequences, as the run's plan sizes it
+        (`protocols.plan.RunPlan.engine_cache_sizes`); None: the agent's own `rollout.vllm` settings."""
         self.device = torch.device(device) if device is not None else pick_device(agent.resources.num_gpus)
         self.precision = precision.choose(agent.dtype, self.device, model=agent.model)  # `auto` resolved here
         agent = agent.model_copy(update={"dtype": self.precision.dtype})  # what the model, base and engine get
@@ -109,7 +112,7 @@ class AgentTrainer:
         self.engine = make_engine(agent, self.model, model_path=model_path,
                                   tokenizer_path=resolve_model_path(agent.tokenizer) if agent.tokenizer else model_path,
                                   stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id, device=self.device,
-                                  seed=seed, autocast=self._autocast)
+                                  seed=seed, autocast=self._autocast, kv_cache_sequences=kv_cache_sequences)
         self.load_seconds = time.perf_counter() - loading  # the model, its tokenizer and its rollout engine
         self.ref_model = self.optimizer = None
         if trainable:

@@ -63,11 +63,12 @@ def child(kind: str, count: int, steps: int, batch: int, tokens: int, rank: int)
     from agent_trainer.agent import Agent
     from agent_trainer.group import LocalTrainers
     from protocols.messages import Experience, GenerateRequest, UpdateRequest
+    from protocols.plan import plan_of
 
     torch.set_num_threads(1)
     config = run_config(kind, count, rank, tokens)
     start = time.perf_counter()
-    trainers = LocalTrainers(config, {name: steps for name in config.agents})
+    trainers = LocalTrainers(config, plan_of(config), {name: steps for name in config.agents})
     load_seconds = time.perf_counter() - start
     prompts = [f"Letter: {'abcd'[i % 4]}\nSay the letter:" for i in range(batch)]
     step_seconds = []

@@ -35,6 +35,7 @@ import bench_common as bc  # noqa: E402
 from agent_trainer.actor import RayTrainers, quiet_ray_startup  # noqa: E402
 from agent_trainer.agent import Agent  # noqa: E402
 from protocols.config import validate_config  # noqa: E402
+from protocols.plan import plan_of  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
 
 CONTENDERS = {  # agent name -> (num_workers, num_cpus per worker)
@@ -107,7 +108,7 @@ def main() -> None:
     asked = sum(w * c for w, c in CONTENDERS.values())
     quiet_ray_startup()
     ray.init(num_cpus=asked, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    trainers = RayTrainers(config, {name: args.repeats + 1 for name in agents})
+    trainers = RayTrainers(config, plan_of(config), {name: args.repeats + 1 for name in agents})
     try:
         first = names["1 worker x 1 thread"]
         prompts = [f"Write a short sentence about the number {i}." for i in range(args.batch)]

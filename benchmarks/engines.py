@@ -13,7 +13,7 @@
    run with each engine in turn (who goes first alternates): whole seconds per step (median over `--steps`
    after one warm-up step), its generate / update parts, the learner's own share of the update (`learn`) and the
    engine's weight sync, the time to start the trainers, and each trainer actor's memory (PSS of its process
-   tree, and peak RSS). The vLLM engine's KV cache is sized to the run (rollout.vllm.kv_cache_sequences).
+   tree, and peak RSS). The vLLM engine's KV cache is sized to the run (`RunPlan.engine_cache_sizes`).
 Between the two (`sync_times`): per dtype, one vLLM agent in this process times its weight sync, vLLM's generic
 reload and a plain `copy_` of the same weights, alternating; then (`learner_times`) the learner's update with
 and without a vLLM engine resident in its process, wall and CPU seconds, each in a fresh process, alternating.

@@ -120,6 +120,7 @@ def cmd_run(args) -> int:
     from orchestrator.preflight import check_cluster, storage_place_problem
     from orchestrator.runlog import make_run_dir
     from protocols.config import ConfigError, joins_cluster
+    from protocols.plan import plan_of
 
     config = load_config(args.config, args.overrides)
     stamp = time.strftime("%Y%m%d-%H%M%S")  # as make_run_dir names it
@@ -128,7 +129,7 @@ def cmd_run(args) -> int:
     if problem:
         raise ConfigError(f"{args.config}: {problem}")
     if not joins_cluster(config.ray):  # a cluster marsi joins is checked once joined
-        check_cluster(config, args.config)
+        check_cluster(config, plan_of(config), args.config)
     with StopOnSignal("nothing was trained and no run directory is left") as stop:
         run_dir = Path(args.run_dir) if args.run_dir else make_run_dir(config.train.run_dir, Path(args.config).stem)
         try:
@@ -252,7 +253,7 @@ def cmd_validate(args) -> int:
     from orchestrator.coordinator import Coordinator
     from orchestrator.preflight import check_cluster, checked_trial, storage_place_problem
     from orchestrator.schedule import RoleAssignment, Schedule
-    from protocols.config import ConfigError, host_resources, member_layout
+    from protocols.config import ConfigError
 
     config = load_config(args.config, args.overrides)
     coordinator = Coordinator(config)  # constructs the environment and checks its roles against the seats
@@ -263,7 +264,7 @@ def cmd_validate(args) -> int:
         if problem:
             raise ConfigError(f"{args.config}: agents.{name}: {problem}")
     joins = config.ray.address or os.environ.get("RAY_ADDRESS")
-    check_cluster(config, args.config)
+    check_cluster(config, coordinator.plan, args.config)
     planned = Path(config.train.run_dir.format(name=Path(args.config).stem, time="{time}"))
     problem = storage_place_problem(config.train.storage, planned)
     if problem:
@@ -274,8 +275,8 @@ def cmd_validate(args) -> int:
     acting = {t: {a.role for a in turn.actions} for t, turn in enumerate(trial.turns)}
     print(f"{args.config}: valid. agents: {', '.join(config.agents)}; roles: {', '.join(env.possible_agents)}; "
           f"{per_step} episodes per step, at most {env.max_turns} turns each")
-    layout = member_layout(config)  # the agents' hosts and the critics'
-    asked = list(host_resources(config).values())
+    layout = coordinator.plan.member_layout  # the agents' hosts and the critics'
+    asked = list(coordinator.plan.host_resources.values())
     where = f"the Ray cluster at {joins} can place them" if joins else (
         "in-process (ray.enabled false)" if not config.ray.enabled else
         "local cluster: {:g} CPUs, {:g} GPUs".format(*local_resources(config)))

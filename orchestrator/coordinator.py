@@ -39,12 +39,13 @@ from orchestrator.runlog import (
 from orchestrator.schedule import RoleAssignment, Schedule, attempts_problem, seating_problem
 from orchestrator.staleness import planned_lag
 from orchestrator.steplog import critic_metrics, show_step, spread, step_metrics, zero_variance_metrics
-from protocols.config import ConfigError, RunConfig, critic_members, load_config
+from protocols.config import ConfigError, RunConfig, load_config
 from protocols.errors import UserError
 from protocols.messages import (
     Completion, CriticUpdateRequest, CriticUpdateResult, Experience, GenerateRequest, LoadRequest, Location,
     ProbeRequest, Prompt, SaveRequest, UpdateRequest, UpdateResult, ValueRequest, ValueTarget, check_experiences,
 )
+from protocols.plan import plan_of, with_partners
 
 
 @dataclass
@@ -78,10 +79,11 @@ class Coordinator:
                  take_over: bool = False):
         """`take_over`: take over the run's lease in its store from a run that is gone (`orchestrator.lease`)."""
         self.config = config
+        self.plan = plan_of(config)  # hosts, critics, staleness bounds, engine sizes: derived once (protocols.plan)
         self.resuming, self.take_over = resume, take_over
         storage.set_deadline(config.train.storage_timeout_s)  # every call to the store from this process
         self.schedule = Schedule(config.schedule, list(config.agents))
-        self.lag, self.lag_note = planned_lag(config, self.schedule)
+        self.lag, self.lag_note = planned_lag(config, self.schedule, self.plan.staleness_bounds)
         """Steps the rollouts run ahead of the updates (0: synchronous), and why agents' own bounds lowered it
         (said once by `run()`); `orchestrator.staleness`."""
         self.assignment = RoleAssignment(config.roles)
@@ -103,9 +105,9 @@ class Coordinator:
         self.partners = partner_agents(config)  # extra frozen trainers that evaluations seat
         self.sits_in_for = partner_seats(config)  # partner trainer -> the agent whose seeds it samples with
         self.eval_results: list[tuple[int, EvalResult]] = []  # (step, result) of each evaluation run here, in order
-        self.critics = critic_members(config)  # critic -> the agents it values (algorithm.baseline: critic)
+        self.critics = self.plan.critic_members  # critic -> the agents it values (algorithm.baseline: critic)
         self.members = [*config.agents, *self.critics]  # what a checkpoint holds: every agent and critic
-        self.credit = CriticCredit(config) if uses_critic(config.algorithm) else None  # chosen once
+        self.credit = CriticCredit(config, self.plan) if uses_critic(config.algorithm) else None  # chosen once
         self.state = CoordinatorState()
         self.log = RunLog(run_dir, config.logging, config.train.storage) if run_dir is not None else None
         self.pool: TrainerPool | None = None  # every agent's handle: self.pool[agent]
@@ -139,7 +141,7 @@ class Coordinator:
             if self.config.ray.enabled:
                 from agent_trainer.actor import start_ray
 
-                self._owns_ray = start_ray(self.config)
+                self._owns_ray = start_ray(self.config, self.plan)
                 phase("Ray started" if self._owns_ray else "joined Ray", time.perf_counter() - began)
             ray_up = time.perf_counter()
             self.pool = self._start_trainers()
@@ -189,10 +191,10 @@ class Coordinator:
         if config.ray.enabled:
             from agent_trainer.actor import RayTrainers
 
-            return RayTrainers(config, updates)
+            return RayTrainers(config, with_partners(self.plan, config, self.sits_in_for), updates)
         from agent_trainer.group import LocalTrainers
 
-        return LocalTrainers(config, updates)
+        return LocalTrainers(config, with_partners(self.plan, config, self.sits_in_for), updates)
 
     def _check_storage_reach(self) -> None:
         """With Ray, trainers may run on other nodes: each must see where checkpoints go (the run directory,

@@ -25,7 +25,8 @@ from typing import Callable
 
 from orchestrator.advantages import decision_rewards, gae, normalised_per_agent
 from orchestrator.rollout import Action, Episode
-from protocols.config import RunConfig, critic_members
+from protocols.config import RunConfig
+from protocols.plan import RunPlan
 from protocols.messages import Experience, Prompt, ValueTarget
 
 ValuesFn = Callable[[dict[str, list[str]]], dict[str, list[float]]]
@@ -62,9 +63,9 @@ def critic_state(episode: Episode, turn: int, role: str, agent: str, central: bo
 class CriticCredit:
     """Advantages and value targets of a step's episodes, from the run's critics."""
 
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, plan: RunPlan):
         self.algorithm, self.critic = config.algorithm, config.critic
-        self.critics = critic_members(config)
+        self.critics = plan.critic_members
         self.critic_of = {agent: name for name, agents in self.critics.items() for agent in agents}
 
     def score(self, episodes: list[Episode], values_of: ValuesFn

@@ -39,7 +39,7 @@ from agent_trainer.agent import Agent
 from orchestrator import rollout
 from orchestrator.data import DataPosition, next_batch
 from orchestrator.staleness import (
-    Usable, agent_bounds, clipped, length, timing_metrics, union, usable_actions, weights_step,
+    Usable, clipped, length, timing_metrics, union, usable_actions, weights_step,
 )
 from protocols.messages import Experience, GenerateRequest
 
@@ -130,7 +130,7 @@ class AsyncRollouts:
         self.coord, self.lag = coord, lag
         cfg, state = coord.config, coord.state
         self.agents = list(cfg.agents)
-        self.bounds = agent_bounds(cfg)
+        self.bounds = coord.plan.staleness_bounds
         self.apart = set(getattr(coord.pool, "engines_apart", ()))  # agents whose rollout engine is a process of its own
         self.steps = cfg.train.steps
         self.limit = self.steps + lag  # the first step not played: the last checkpoint keeps the L after the run's end

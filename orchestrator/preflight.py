@@ -21,6 +21,7 @@ from protocols.env import Environment
 from protocols.env_checker import EnvCheckError, check_env
 from protocols.imports import import_object
 from protocols.messages import Completion
+from protocols.plan import RunPlan
 
 ActionFn = Callable[[str, Any, random.Random], str]
 
@@ -145,18 +146,19 @@ def storage_place_problem(storage: str | None, run_dir: Path) -> str | None:
 
 
 # ------------------------------------------------------------------------------------- the Ray cluster
-def check_cluster(config: RunConfig, source: str | Path) -> None:
+def check_cluster(config: RunConfig, plan: RunPlan, source: str | Path) -> None:
     """Check that the Ray cluster can place the trainers (CPUs and GPUs in all, custom resources, GPU types, node
     labels): the local cluster a run would start, against this machine's node before it starts (ConfigError
     naming `source`); a cluster marsi joins (ray.address, RAY_ADDRESS), joined for the check and left again, or
-    the one this process is connected to (PlacementError naming the agent)."""
+    the one this process is connected to (PlacementError naming the agent). `plan`: the config's
+    (`protocols.plan`)."""
     from agent_trainer.group import local_cluster_problem
     from agent_trainer.handle import PlacementError
 
     if not config.ray.enabled:
         return
     if not joins_cluster(config.ray) and not ray_is_up():
-        problem = local_cluster_problem(config)
+        problem = local_cluster_problem(config, plan)
         if problem:
             raise ConfigError(f"{source}: {problem}")
         return
@@ -170,7 +172,7 @@ def check_cluster(config: RunConfig, source: str | Path) -> None:
         quiet_ray_startup()
         ray.init(address=address, logging_level="WARNING")
     try:
-        problem = cluster_problem(config)
+        problem = cluster_problem(config, plan)
     finally:
         if joined:
             ray.shutdown()

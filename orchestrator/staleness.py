@@ -58,11 +58,11 @@ def rollout_lag(training_agents: Callable[[int], list[str]], cycle: int, max_sta
     return best
 
 
-def planned_lag(config: RunConfig, schedule: Schedule) -> tuple[int, str | None]:
+def planned_lag(config: RunConfig, schedule: Schedule, bounds: dict[str, int]) -> tuple[int, str | None]:
     """The run's lag (`rollout_lag` with every agent's bound), and what to say when agents' own bounds hold the
     rollouts closer than `train.max_staleness` alone would: the agent whose bound holds them closest, both keys,
     and the fix (None when they do not)."""
-    max_staleness, bounds = config.train.max_staleness, agent_bounds(config)
+    max_staleness = config.train.max_staleness
     lag_of = lambda own: rollout_lag(schedule.training_agents, schedule.cycle, max_staleness, own)  # noqa: E731
     lag, widest = lag_of(bounds), lag_of({})
     if lag >= widest:
@@ -77,12 +77,6 @@ def planned_lag(config: RunConfig, schedule: Schedule) -> tuple[int, str | None]
             f"skipped); raise agents.{agent}.rollout.max_staleness to {max_staleness} to play {widest} step(s) ahead"
             + (", or set train.max_staleness: 0 to say so" if lag == 0 else ""))
     return lag, note
-
-
-def agent_bounds(config: RunConfig) -> dict[str, int]:
-    """Each agent's K_X: `agents.X.rollout.max_staleness`, else `train.max_staleness`."""
-    return {a: spec.rollout.max_staleness if spec.rollout.max_staleness is not None else config.train.max_staleness
-            for a, spec in config.agents.items()}
 
 
 def weights_step(rollout_step: int, lag: int, base: int) -> int:

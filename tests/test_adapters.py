@@ -15,6 +15,7 @@ from agent_trainer.models import resolve_model_path
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunLog
 from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, validate_config
+from protocols.plan import plan_of
 from protocols.messages import Experience, LoadRequest, Location, ScoreRequest, UpdateRequest
 from tests.loops import say_the_letter_curve
 from tests.envs import HERE, config
@@ -117,7 +118,7 @@ def test_a_frozen_agent_on_the_host_can_play_a_saved_adapter(reference):
     raw = shared_host_config()
     raw["agents"]["c"]["adapter"] = {"path": str(saved / "adapter")}
     config = validate_config(raw)
-    host = Host("h", config, {a: 1 for a in AGENTS})
+    host = Host("h", config, plan_of(config), {a: 1 for a in AGENTS})
     trained = Agent(AdapterTrainer("a", validate_config(shared_host_config()).agents["a"], config.algorithm))
     trained.load(LoadRequest(source=Location.parse(saved)))
     experiences = [Experience(prompt_ids=[10, 20, 30], completion_ids=[60, 70], advantage=0.0)]

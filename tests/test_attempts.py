@@ -15,6 +15,7 @@ from orchestrator.cli import main
 from orchestrator.coordinator import Coordinator, step_metrics
 from orchestrator.evaluation import summarise
 from protocols.config import AlgorithmConfig, validate_config
+from protocols.plan import plan_of
 from protocols.env_checker import EnvCheckError, check_env
 from protocols.messages import Completion
 from tests.envs import HERE, AttemptsEnv, FaultyAttemptsEnv, attempts_config, letters
@@ -220,9 +221,11 @@ def test_a_vllm_agents_cache_holds_its_attempts_rows():
     raw["roles"]["attempts"] = {"solver": 4}
     for agent in raw["agents"].values():
         agent["rollout"] = {"engine": "vllm"}
-    agents = validate_config(raw).agents
-    assert agents["s"].rollout.vllm.kv_cache_sequences == 2 * 2 * 4  # batch_size x num_generations x k
-    assert agents["p"].rollout.vllm.kv_cache_sequences == 2 * 2
+    config = validate_config(raw)
+    sizes = plan_of(config).engine_cache_sizes
+    assert sizes["s"] == 2 * 2 * 4  # batch_size x num_generations x k
+    assert sizes["p"] == 2 * 2
+    assert config.agents["s"].rollout.vllm.kv_cache_sequences is None  # the config stays as written
 
 
 def test_algorithm_agents_names_defined_agents():

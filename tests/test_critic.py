@@ -10,7 +10,8 @@ import pytest
 from orchestrator.advantages import decision_rewards, gae, normalised_per_agent
 from orchestrator.credit import CriticCredit, critic_state
 from orchestrator.rollout import Action, Episode, RecordedRoles, Turn
-from protocols.config import ConfigError, critic_members, member_layout, validate_config
+from protocols.config import ConfigError, validate_config
+from protocols.plan import plan_of
 from protocols.messages import Completion
 from tests.envs import LetterEnv, config
 
@@ -102,7 +103,8 @@ def test_a_batch_without_reward_signal_never_gets_a_larger_step_than_one_with_si
 
     raw = config(agents=("alice",), roles={"x": "alice"}, algorithm={"baseline": "critic"},
                  critic={"kind": "per_agent", "gae_lambda": 1.0})
-    credit = CriticCredit(validate_config(raw))
+    checked = validate_config(raw)
+    credit = CriticCredit(checked, plan_of(checked))
     rng = random.Random(0)
 
     def values_of(states):
@@ -165,7 +167,8 @@ def test_the_central_critic_sees_every_agents_turns_and_a_per_agent_critic_only_
 def test_critic_credit_scores_each_chain_with_its_critic_and_bootstraps_a_truncated_episode():
     raw = config(agents=("alice", "bob"), roles={"x": "alice", "y": "bob"}, turns=3,
                  algorithm={"baseline": "critic", "discount": GAMMA}, critic={"kind": "per_agent", "gae_lambda": LAM})
-    credit = CriticCredit(validate_config(raw))
+    checked = validate_config(raw)
+    credit = CriticCredit(checked, plan_of(checked))
     asked = {}
 
     def values_of(states):
@@ -188,10 +191,10 @@ def test_critic_credit_scores_each_chain_with_its_critic_and_bootstraps_a_trunca
 def test_critic_config_places_each_critic_and_refuses_what_does_not_fit():
     base = config(algorithm={"baseline": "critic"})
     cfg = validate_config(base)
-    assert cfg.critic.kind == "central" and critic_members(cfg) == {"critic": ["a", "b"]}
-    assert member_layout(cfg) == {"a": ["a"], "b": ["b"], "critic": ["critic"]}
+    assert cfg.critic.kind == "central" and plan_of(cfg).critic_members == {"critic": ["a", "b"]}
+    assert plan_of(cfg).member_layout == {"a": ["a"], "b": ["b"], "critic": ["critic"]}
     per = validate_config({**base, "critic": {"kind": "per_agent", "placement": "agent", "model": "agent"}})
-    assert member_layout(per) == {"a": ["a", "critic-a"], "b": ["b", "critic-b"]}
+    assert plan_of(per).member_layout == {"a": ["a", "critic-a"], "b": ["b", "critic-b"]}
     bad = [
         ({"critic": {"kind": "central"}, "algorithm": {"baseline": "group"}}, "critic: given, but algorithm.baseline"),
         ({"critic": {"model": "agent"}}, "critic.model: agent puts a value head"),

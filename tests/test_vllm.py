@@ -22,6 +22,7 @@ from agent_trainer.trainer import AgentTrainer  # noqa: E402
 from tests.loops import say_the_letter_curve  # noqa: E402
 from orchestrator.coordinator import Coordinator  # noqa: E402
 from protocols.config import AgentConfig, AlgorithmConfig, RolloutConfig, validate_config  # noqa: E402
+from protocols.plan import plan_of  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, ScoreRequest, UpdateRequest  # noqa: E402
 from tests.envs import attempts_config, config  # noqa: E402
 
@@ -207,14 +208,14 @@ def test_the_cpu_kv_cache_is_sized_to_the_runs_rows_and_lengths():
     path = resolve_model_path("builtin:tiny")
     assert cpu_kv_cache_bytes(path, dtype="float32", max_model_len=518, sequences=8) == 8 * 768 * 2048
     assert cpu_kv_cache_bytes(path, dtype="bfloat16", max_model_len=518, sequences=8) == 8 * 768 * 1024
-    # the run fills in its rows: batch_size x num_generations x the roles the agent holds (solo holds x and o)
+    # the run's plan sizes it to its rows: batch_size x num_generations x the roles the agent holds (solo: x and o)
     raw = self_play_config(batch_size=3, num_generations=2)
     raw["agents"]["solo"]["rollout"] = {"engine": "vllm"}
     raw["agents"]["judge"]["rollout"] = {"engine": "vllm", "vllm": {"max_num_seqs": 4}}
-    agents = validate_config(raw).agents
-    assert agents["solo"].rollout.vllm.kv_cache_sequences == 12  # 3 x 2 x 2 roles
-    assert agents["judge"].rollout.vllm.kv_cache_sequences == 4  # 3 x 2 x 1, capped at max_num_seqs
-    assert validate_config(self_play_config()).agents["solo"].rollout.vllm.kv_cache_sequences is None  # kv_cache_gb given
+    sizes = plan_of(validate_config(raw)).engine_cache_sizes
+    assert sizes["solo"] == 12  # 3 x 2 x 2 roles
+    assert sizes["judge"] == 4  # 3 x 2 x 1, capped at max_num_seqs
+    assert "solo" not in plan_of(validate_config(self_play_config())).engine_cache_sizes  # kv_cache_gb given
 
 
 def test_a_loaded_checkpoint_reaches_the_engine(trainer, tmp_path):

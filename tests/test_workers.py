@@ -16,6 +16,7 @@ from agent_trainer.group import placement_problem
 from agent_trainer.handle import TrainerFailure
 from orchestrator.coordinator import Coordinator
 from protocols.config import ConfigError, validate_config
+from protocols.plan import plan_of
 from protocols.messages import UpdateRequest
 from tests.dp_workers import REQUEST, VARIANTS, die_in_a_collective, experiences, make_trainer, worker
 from tests.envs import HERE, config
@@ -201,7 +202,8 @@ def test_config_refuses_workers_without_ray_and_placement_counts_every_worker(tm
                    "partner_resources": {"num_workers": 2}}
     assert_documented("partner_workers", _refused(raw))
     raw = raw_config(workers_a=4, ray=True)
-    assert placement_problem(validate_config(raw), 1.0, 0.0, "the Ray cluster") == (
+    checked = validate_config(raw)
+    assert placement_problem(checked, plan_of(checked), 1.0, 0.0, "the Ray cluster") == (
         "agents ask for 1.25 CPUs in all (a: 0.25 x 4 workers, b: 0.25) but the Ray cluster has 1; lower "
         "agents.NAME.resources.num_cpus (fractions such as 0.5 share a core) or num_workers, or give the cluster more")
     raw = raw_config(workers_a=2, ray=True)  # as marsi validate says it in a process not connected to Ray

@@ -1,0 +1,143 @@
+"""`agents.NAME.rollout`: the engine that samples an agent's completions (hf, or a vLLM engine and its KV cache),
+where it runs, and how stale its actions may be."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, model_validator
+
+from protocols.config.base import _Strict
+from protocols.config.resources import ResourcesConfig
+
+if TYPE_CHECKING:
+    from protocols.config.agents import AgentConfig
+    from protocols.config.run import RunConfig
+
+
+class VLLMConfig(_Strict):
+    """Settings of a colocated vLLM engine (`rollout.engine: vllm`); see README, "Rollout engines"."""
+
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
+    """On a GPU: the share of the GPU's memory the engine may take (weights, activations, KV cache); the learner
+    needs the rest. Ignored on CPU, where `kv_cache_gb` sizes the engine."""
+    kv_cache_gb: float | None = Field(None, gt=0.0)
+    """KV-cache size in GiB. None: on CPU, sized to the run (`kv_cache_sequences` sequences of
+    generation.max_prompt_length + max_completion_length tokens, each rounded up to whole 128-token blocks plus
+    one; bytes per token from the model's config: layers x 2 x key/value heads x head dim x dtype size); on a GPU,
+    what `gpu_memory_utilization` leaves after the weights."""
+    kv_cache_sequences: int | None = Field(None, ge=1)
+    """On CPU without `kv_cache_gb`: how many whole sequences the KV cache holds. None: sized to the run
+    (`engine_cache_sizes`, in the run's plan), train.batch_size x train.num_generations x the most roles this agent
+    holds in one seating, a role counted k times with `roles.attempts` (the most rows one of its generate calls
+    has; an environment's own attempts are not seen there), capped at `max_num_seqs`; an agent used without a run
+    config (a plain AgentTrainer) gets `max_num_seqs`."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most sequences the engine decodes at once; a larger batch waits for a free slot."""
+    enforce_eager: bool = True
+    """Run the model eagerly (no torch.compile, no CUDA graphs): seconds to start instead of minutes; False is
+    faster per token on a GPU once compiled."""
+    sleep_mode: bool = False
+    """GPU only: the engine frees its GPU memory (KV cache and weights) during each update and wakes with the
+    new weights, so engine and learner share one GPU. Needs resources.num_gpus > 0."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The engine's weight dtype; None: the agent's `dtype`, as the agent's trainer resolved it (`auto` follows the
+    same rule for the engine as for the learner). bfloat16 halves the engine's memory on a GPU; the update's
+    importance weights (`tis_cap`) correct for the larger log-prob gap it brings."""
+
+
+class RolloutConfig(_Strict):
+    engine: Literal["hf", "vllm"] = "hf"
+    """What samples the agent's completions: `hf`, marsi's own decode loop on the learner's model (no copy of the
+    weights, no sync); `vllm`, a vLLM engine colocated in the agent's trainer, holding its own copy of the
+    weights, synced after every update (needs the `vllm` extra)."""
+    vllm: VLLMConfig | None = None
+    """vLLM engine settings (engine: vllm); None: the defaults."""
+    tis_cap: float | None = Field(None, ge=1.0)
+    """Truncated importance sampling: every token's policy-gradient term is weighted by
+    min(exp(trainer log-prob - behaviour log-prob), tis_cap), the trainer's log-prob taken before the update,
+    correcting for an engine whose log-probs differ from the trainer's, or for actions drawn by an older policy
+    version (asynchronous rollouts). Unset: 2.0 with engine vllm or a max_staleness above 0, else off (hf's
+    behaviour log-probs come from the learner's own model). None: off."""
+
+    placement: Literal["colocated", "separate"] = "colocated"
+    """Where the engine samples: `colocated`, in the agent's trainer process (the learner's weights, or beside them);
+    `separate`, in a Ray actor of its own with its own copy of the weights (`resources`), which takes each policy
+    version the learner publishes through Ray's object store when a generate asks for it, so that with
+    `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray and the hf
+    engine, on a full-model agent of one worker."""
+    resources: ResourcesConfig | None = None
+    """`placement: separate`: the engine actor's CPUs and GPUs; None: the same as the agent's `resources`."""
+    max_staleness: int | None = Field(None, ge=0)
+    """Most policy versions this agent's actions (and its partners' in the same episode) may be behind their
+    learners when this agent's update uses them; staler ones are dropped and counted (`staleness/NAME/dropped`).
+    None: `train.max_staleness`. At most `train.max_staleness`, which sets how far rollouts run ahead (see
+    docs/roles-and-schedules.md, "Asynchronous rollouts")."""
+
+    @model_validator(mode="after")
+    def _engine_defaults(self) -> RolloutConfig:
+        if self.engine == "vllm":
+            if self.vllm is None:
+                self.vllm = VLLMConfig()
+            if "tis_cap" not in self.model_fields_set:
+                self.tis_cap = 2.0
+        return self
+
+
+def separate_engine_problem(name: str, agent: AgentConfig, ray_enabled: bool) -> str | None:
+    """Why agent `name`'s `rollout.placement: separate` cannot be, naming the key and the fix, or None."""
+    rollout = agent.rollout
+    if rollout.placement != "separate":
+        if rollout.resources is not None:
+            return (f"agents.{name}.rollout.resources: engine resources are given but agents.{name}.rollout.placement "
+                    f"is 'colocated' (the engine shares the trainer's); set agents.{name}.rollout.placement: separate "
+                    f"or remove agents.{name}.rollout.resources")
+        return None
+    key = f"agents.{name}.rollout.placement: separate"
+    if not ray_enabled:
+        return f"{key} runs the engine in a process of its own, which needs Ray, but ray.enabled is false; set ray.enabled: true or placement: colocated"
+    if rollout.engine != "hf":
+        return f"{key} is built for the hf engine (got {rollout.engine!r}); set agents.{name}.rollout.engine: hf or placement: colocated"
+    if agent.adapter is not None or agent.host is not None or agent.resources.num_workers > 1:
+        return (f"{key} is built for a full-model agent of one worker on a host of its own; remove agents.{name}.adapter, "
+                f"agents.{name}.host and agents.{name}.resources.num_workers, or set placement: colocated")
+    return None
+
+
+def rollout_problem(name: str, agent: AgentConfig, config: RunConfig) -> str | None:
+    """Why agent `name`'s rollout does not fit the run (an engine apart it cannot have, a staleness bound above the
+    run's), naming the keys and the fix, or None."""
+    if problem := separate_engine_problem(name, agent, config.ray.enabled):
+        return problem
+    own = agent.rollout.max_staleness
+    if own is not None and own > config.train.max_staleness:
+        return (f"agents.{name}.rollout.max_staleness: {own} is above train.max_staleness "
+                f"{config.train.max_staleness}, which sets how far rollouts run ahead, so no action is "
+                f"ever that stale and it would change nothing; lower it, or raise train.max_staleness")
+    return None
+
+
+def stale_tis_caps(config: RunConfig) -> None:
+    """Give `rollout.tis_cap` its default of 2.0 on each agent whose actions may be stale (its own or the run's
+    max_staleness above 0), where it is not set: they are weighted against the policy that drew them."""
+    for agent in config.agents.values():
+        own = agent.rollout.max_staleness
+        if "tis_cap" not in agent.rollout.model_fields_set and (own if own is not None else config.train.max_staleness):
+            agent.rollout.tis_cap = 2.0
+
+
+def engine_cache_sizes(config: RunConfig) -> dict[str, int]:
+    """Agent -> the whole sequences its vLLM engine's CPU KV cache holds, for each agent sampling with vLLM
+    without `kv_cache_gb`: `kv_cache_sequences` where given, else the rows of its largest generate call
+    (train.batch_size x train.num_generations x the most roles it holds in one seating, a role counted k times
+    with `roles.attempts`), at most `max_num_seqs`."""
+    sizes = {}
+    for name, agent in config.agents.items():
+        settings = agent.rollout.vllm
+        if agent.rollout.engine != "vllm" or settings.kv_cache_gb is not None:
+            continue
+        seats = max([sum(config.roles.attempts.get(r, 1) for r, a in seating.items() if a == name)
+                     for seating in config.roles.seatings()] or [1])
+        rows = config.train.batch_size * config.train.num_generations * max(1, seats)
+        sizes[name] = settings.kv_cache_sequences or min(rows, settings.max_num_seqs)
+    return sizes

@@ -1,0 +1,60 @@
+"""The run plan: what a run config implies about the run's processes, derived once (`plan_of`) and read
+everywhere: which host holds which agents and critics, what each host asks of the cluster, each agent's
+staleness bound and each vLLM engine's KV-cache size.
+
+The config (`protocols.config`) stays as the user wrote it, with its defaults; whatever follows from several of
+its settings is here. Where trainers start from another config than the run's (evaluation partners added, an
+engine of its own), that config has a plan of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from protocols.config import (
+    ResourcesConfig, RunConfig, critic_host_agent, critic_members, engine_cache_sizes, host_layout, host_resources,
+    member_layout,
+)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    host_layout: dict[str, list[str]]
+    """Host name -> the agents it holds, in declaration order (`protocols.config.host_layout`)."""
+    critic_members: dict[str, list[str]]
+    """Critic name -> the agents whose actions it values; empty without a critic."""
+    critic_host_agents: dict[str, str | None]
+    """Critic name -> the agent whose host holds it (`critic.placement: agent`), or None (a host of its own)."""
+    member_layout: dict[str, list[str]]
+    """Host name -> the agents and then the critics it holds."""
+    host_resources: dict[str, ResourcesConfig]
+    """Host name -> what it asks of the cluster, per worker."""
+    staleness_bounds: dict[str, int]
+    """Agent -> K_X, how many policy versions its actions and its partners' may be behind when its update uses
+    them: `agents.X.rollout.max_staleness`, else `train.max_staleness` (`orchestrator.staleness`)."""
+    engine_cache_sizes: dict[str, int]
+    """Agent -> the whole sequences its vLLM engine's CPU KV cache holds, for each agent sampling with vLLM
+    without `kv_cache_gb` (`protocols.config.engine_cache_sizes`)."""
+
+
+def plan_of(config: RunConfig) -> RunPlan:
+    """The plan of a validated run config."""
+    critics = critic_members(config)
+    return RunPlan(
+        host_layout=host_layout(config),
+        critic_members=critics,
+        critic_host_agents={name: critic_host_agent(config, name) for name in critics},
+        member_layout=member_layout(config),
+        host_resources=host_resources(config),
+        staleness_bounds={a: spec.rollout.max_staleness if spec.rollout.max_staleness is not None
+                          else config.train.max_staleness for a, spec in config.agents.items()},
+        engine_cache_sizes=engine_cache_sizes(config),
+    )
+
+
+def with_partners(plan: RunPlan, config: RunConfig, sits_in_for: dict[str, str]) -> RunPlan:
+    """The plan of the trainers' config (`config`: the run's, with evaluation partners added as frozen agents),
+    each partner's engine sized as the agent it sits in for (`sits_in_for`: partner -> agent) is in `plan`."""
+    own = plan_of(config)
+    sizes = {**own.engine_cache_sizes, **{partner: plan.engine_cache_sizes[agent] for partner, agent in
+                                          sits_in_for.items() if agent in plan.engine_cache_sizes}}
+    return replace(own, engine_cache_sizes=sizes)
