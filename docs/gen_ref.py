@@ -1,6 +1,6 @@
 """Pages of the docs site generated from the code at build time (run by mkdocs-gen-files, see mkdocs.yml).
 
-- reference/config.md: every field of the run config, from the pydantic models in protocols/config.py
+- reference/config.md: every field of the run config, from the pydantic models in protocols/config/
   (dotted key, type, default, docstring, and an example taken from the configs in examples/);
 - reference/cli.md: every `marsi` command and argument, from the argument parser in orchestrator/cli.py;
 - results.md: benchmarks/RESULTS.md, the one page of measured figures.
@@ -94,7 +94,7 @@ def _cell(text: str) -> str:
 def config_reference() -> str:
     examples = _examples()
     lines = ["# Config reference", "",
-             "Generated from the pydantic models in `protocols/config.py` when the site is built. Every section is",
+             "Generated from the pydantic models in `protocols/config/` when the site is built. Every section is",
              "strict: an unknown key is an error. `marsi schema` prints the same as JSON schema; a dotted key is also",
              "an override on the command line (`marsi run CONFIG train.steps=5`). `NAME` stands for a name you choose",
              "(an agent, a host, an evaluation partner). Examples come from the configs in `examples/`; where no",

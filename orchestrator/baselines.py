@@ -9,7 +9,7 @@ looks one up, once per agent and batch. The maths of each: `orchestrator.advanta
 `algorithm.baseline: critic` scores its batches through `orchestrator.credit` instead (`uses_critic`).
 
 A new baseline is one file with one `Baseline` subclass (`orchestrator/baseline_rloo.py` is one), named in
-`strategies()` below and in the `baseline` Literals of `protocols/config.py`.
+`strategies()` below and in the `baseline` Literals of `protocols/config/algorithm.py`.
 """
 
 from __future__ import annotations
