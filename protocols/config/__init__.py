@@ -3,10 +3,10 @@
 Every model forbids unknown keys. `load_config` turns any problem into one `ConfigError` line that
 names the file, the dotted key, the bad value and what is expected.
 
-One file per section, each with the checks about it: `agents` (and `hosts`), `rollout` (engines), `resources`,
-`environment` (and `roles`), `schedule`, `algorithm`, `critic`, `data` (and `eval`), `train` (and `logging`),
-`storage`, `cluster` (`ray`); `run` holds `RunConfig`, `loading` reads one; `hosts` says which process holds
-which agents and critics.
+One file per part of the config, each with the checks about it: `agents` (and `hosts`), `rollout` (engines),
+`cluster` (`ray`, and the resources trainers ask of it), `environment` (with `roles` and `schedule`), `algorithm`,
+`critic`, `data` (and `eval`), `train` (with `logging`, and where checkpoints go); `hosts` says which process holds
+which agents and critics; `run` holds `RunConfig`, `loading` reads one.
 """
 
 from protocols.config.agents import (
@@ -17,25 +17,24 @@ from protocols.config.algorithm import (
     GROUPED, AgentAlgorithmConfig, AlgorithmConfig, GroupBy, algorithm_problem, rotation_groups_problem,
 )
 from protocols.config.base import ConfigError, unknown_agent, with_field_docs
-from protocols.config.cluster import RayConfig, joins_cluster
+from protocols.config.cluster import RayConfig, ResourcesConfig, joins_cluster, label_matches, label_selector_problem
 from protocols.config.critic import (
     CENTRAL_CRITIC, CriticConfig, critic_host_agent, critic_members, critic_problem, default_critic,
 )
 from protocols.config.data import DataConfig, EvalConfig, eval_problem
-from protocols.config.environment import EnvironmentConfig, RolesConfig, attempts_value_problem, roles_problem
+from protocols.config.environment import (
+    EnvironmentConfig, RolesConfig, ScheduleConfig, attempts_value_problem, roles_problem, schedule_problem,
+)
 from protocols.config.hosts import (
     adapter_problem, host_layout, host_resources, hosted_resources, hosts_problem, member_layout,
     placement_strategy_problem,
 )
 from protocols.config.loading import apply_overrides, load_config, validate_config
-from protocols.config.resources import ResourcesConfig, label_matches, label_selector_problem
 from protocols.config.rollout import (
     RolloutConfig, VLLMConfig, engine_cache_sizes, rollout_problem, separate_engine_problem, stale_tis_caps,
 )
 from protocols.config.run import CROSS_CHECKS, RunConfig
-from protocols.config.schedule import ScheduleConfig, schedule_problem
-from protocols.config.storage import STORAGE_SCHEMES, credentials_problem, storage_problem
-from protocols.config.train import LoggingConfig, TrainConfig
+from protocols.config.train import STORAGE_SCHEMES, LoggingConfig, TrainConfig, credentials_problem, storage_problem
 
 __all__ = [
     "CENTRAL_CRITIC", "CROSS_CHECKS", "GROUPED", "STORAGE_SCHEMES", "AdapterConfig", "AgentAlgorithmConfig",

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 
 from protocols.config.base import _Strict
-from protocols.config.resources import ResourcesConfig
+from protocols.config.cluster import ResourcesConfig
 from protocols.config.rollout import RolloutConfig, rollout_problem
 
 if TYPE_CHECKING:

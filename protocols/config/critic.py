@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from protocols.config.agents import OptimizerConfig
 from protocols.config.base import _Strict
-from protocols.config.resources import ResourcesConfig
+from protocols.config.cluster import ResourcesConfig
 
 if TYPE_CHECKING:
     from protocols.config.run import RunConfig

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, model_validator
 
 from protocols.config.base import _Strict, unknown_agent
+from protocols.config.cluster import ResourcesConfig
 from protocols.config.environment import attempts_value_problem
-from protocols.config.resources import ResourcesConfig
 
 if TYPE_CHECKING:
     from protocols.config.run import RunConfig
@@ -80,14 +80,12 @@ class EvalConfig(_Strict):
         for label in self.partners:
             if not label or not all(c.isalnum() or c in "_-" for c in label):
                 raise ValueError(f"eval.partners: label {label!r} must be letters, digits, '_' or '-' (it names metrics)")
-        if self.partners and self.partner_resources.num_workers > 1:
-            raise ValueError(f"eval.partner_resources.num_workers: {self.partner_resources.num_workers}; a partner "
-                             "only generates for evaluations, on one worker; set eval.partner_resources.num_workers: 1")
         return self
 
 
 def eval_problem(config: RunConfig) -> str | None:
-    """Why the evaluation's partners or attempts do not fit the run's agents and roles, or None."""
+    """Why the evaluation's partners or attempts do not fit the run's agents and roles, or a partner asks for
+    several workers, or None."""
     if config.eval is None:
         return None
     for label, held in config.eval.partners.items():
@@ -96,4 +94,7 @@ def eval_problem(config: RunConfig) -> str | None:
     for role, k in config.eval.attempts.items():
         if problem := attempts_value_problem(f"eval.attempts.{role}", role, k, config.roles.seatings()[0]):
             return problem
+    if config.eval.partners and config.eval.partner_resources.num_workers > 1:
+        return (f"eval.partner_resources.num_workers: {config.eval.partner_resources.num_workers}; a partner "
+                "only generates for evaluations, on one worker; set eval.partner_resources.num_workers: 1")
     return None

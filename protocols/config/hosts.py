@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from protocols.config.critic import critic_host_agent, critic_members
-from protocols.config.resources import ResourcesConfig
+from protocols.config.cluster import ResourcesConfig
 
 if TYPE_CHECKING:
     from protocols.config.agents import AgentConfig

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, model_validator
 
 from protocols.config.base import _Strict
-from protocols.config.resources import ResourcesConfig
+from protocols.config.cluster import ResourcesConfig
 
 if TYPE_CHECKING:
     from protocols.config.agents import AgentConfig

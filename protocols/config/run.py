@@ -11,10 +11,11 @@ from protocols.config.base import _Strict
 from protocols.config.cluster import RayConfig
 from protocols.config.critic import CriticConfig, critic_problem, default_critic
 from protocols.config.data import DataConfig, EvalConfig, eval_problem
-from protocols.config.environment import EnvironmentConfig, RolesConfig, roles_problem
+from protocols.config.environment import (
+    EnvironmentConfig, RolesConfig, ScheduleConfig, roles_problem, schedule_problem,
+)
 from protocols.config.hosts import hosted_resources, hosts_problem, placement_strategy_problem
 from protocols.config.rollout import stale_tis_caps
-from protocols.config.schedule import ScheduleConfig, schedule_problem
 from protocols.config.train import LoggingConfig, TrainConfig
 
 
