@@ -190,3 +190,33 @@ def test_check_imports_false_skips_imports_but_still_resolves(tmp_path: Path) ->
     config = load_config(path, check_imports=False)
 
     assert config.environment.name == f"{tmp_path.resolve() / 'later.py'}:Env"
+
+
+def test_the_run_plan_holds_what_the_config_implies_and_leaves_the_config_as_written():
+    from protocols.config import validate_config
+    from protocols.plan import plan_of
+
+    raw = base()
+    raw["agents"] = {"a": {"model": "builtin:tiny", "adapter": {}, "host": "h"},
+                     "b": {"model": "builtin:tiny", "adapter": {}, "host": "h"}, "c": {"model": "builtin:tiny"}}
+    raw["hosts"] = {"h": {"resources": {"num_cpus": 2}}}
+    raw["roles"] = {"assignment": {"speaker": "a", "listener": "b", "judge": "c"}}
+    raw["algorithm"] = {"baseline": "critic"}
+    raw["critic"] = {"kind": "per_agent", "placement": "agent", "model": "agent"}
+    raw["schedule"] = {"frozen": ["c"]}
+    plan = plan_of(validate_config(raw, check_imports=False))
+    assert plan.host_layout == {"h": ["a", "b"], "c": ["c"]}
+    assert plan.critic_members == {"critic-a": ["a"], "critic-b": ["b"]}  # c is frozen: no critic of its own
+    assert plan.critic_host_agents == {"critic-a": "a", "critic-b": "b"}
+    assert plan.member_layout == {"h": ["a", "b", "critic-a", "critic-b"], "c": ["c"]}
+    assert plan.host_resources["h"].num_cpus == 2 and plan.host_resources["c"].num_cpus == 1
+
+    raw = base()
+    raw["agents"]["a"]["rollout"] = {"max_staleness": 1}
+    raw["agents"]["b"]["rollout"] = {"engine": "vllm"}
+    raw["train"] = {"batch_size": 3, "num_generations": 2, "max_staleness": 2}
+    config = validate_config(raw, check_imports=False)
+    plan = plan_of(config)
+    assert plan.staleness_bounds == {"a": 1, "b": 2}
+    assert plan.engine_cache_sizes == {"b": 3 * 2}  # batch_size x num_generations x the 1 role b holds
+    assert config.agents["b"].rollout.vllm.kv_cache_sequences is None  # the config stays as written
