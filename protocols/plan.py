@@ -2,8 +2,8 @@
 everywhere: which host holds which agents and critics, what each host asks of the cluster, each agent's
 staleness bound and each vLLM engine's KV-cache size.
 
-The config (`protocols.config`) stays as the user wrote it, with its defaults; whatever follows from several of
-its settings is here. Where trainers start from another config than the run's (evaluation partners added, an
+The config (`protocols.config`) holds the settings, each with its default; what several of them imply about the
+run's processes is here, and validation fills nothing of it into the config. Where trainers start from another config than the run's (evaluation partners added, an
 engine of its own), that config has a plan of its own."""
 
 from __future__ import annotations
