@@ -28,9 +28,9 @@ from agent_trainer.dispatch import Publish, WorkersDisagree, declaration_of
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool, TrainerStartError
 from agent_trainer.group import bundle_of, fit_problem, local_cluster_problem
 from protocols.config import RayConfig, RunConfig, joins_cluster
-from protocols.plan import RunPlan, plan_of
 from protocols.errors import describe, one_line
 from protocols.messages import ForwardedEnv
+from protocols.plan import RunPlan, plan_of
 
 
 # Ray logs this on every start of a local cluster (and on joining one when a token file exists): a notice that

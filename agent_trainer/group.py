@@ -14,8 +14,8 @@ from typing import Any, Callable
 from agent_trainer.dispatch import declaration_of
 from agent_trainer.handle import TrainerFailure, TrainerPool
 from protocols.config import RunConfig, label_matches
-from protocols.plan import RunPlan
 from protocols.errors import describe
+from protocols.plan import RunPlan
 
 
 def placement_problem(config: RunConfig, plan: RunPlan, cpus: float, gpus: float, where: str) -> str | None:

@@ -35,8 +35,8 @@ import bench_common as bc  # noqa: E402
 from agent_trainer.actor import RayTrainers, quiet_ray_startup  # noqa: E402
 from agent_trainer.agent import Agent  # noqa: E402
 from protocols.config import validate_config  # noqa: E402
-from protocols.plan import plan_of  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
+from protocols.plan import plan_of  # noqa: E402
 
 CONTENDERS = {  # agent name -> (num_workers, num_cpus per worker)
     "1 worker x 1 thread": (1, 1.0),

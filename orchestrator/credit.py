@@ -26,8 +26,8 @@ from typing import Callable
 from orchestrator.advantages import decision_rewards, gae, normalised_per_agent
 from orchestrator.rollout import Action, Episode
 from protocols.config import RunConfig
-from protocols.plan import RunPlan
 from protocols.messages import Experience, Prompt, ValueTarget
+from protocols.plan import RunPlan
 
 ValuesFn = Callable[[dict[str, list[str]]], dict[str, list[float]]]
 """Critic name -> states, to critic name -> their values (`Coordinator.values`)."""

@@ -15,8 +15,8 @@ from agent_trainer.models import resolve_model_path
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunLog
 from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, validate_config
-from protocols.plan import plan_of
 from protocols.messages import Experience, LoadRequest, Location, ScoreRequest, UpdateRequest
+from protocols.plan import plan_of
 from tests.loops import say_the_letter_curve
 from tests.envs import HERE, config
 from tests.errors_doc import assert_documented

@@ -15,9 +15,9 @@ from orchestrator.cli import main
 from orchestrator.coordinator import Coordinator, step_metrics
 from orchestrator.evaluation import summarise
 from protocols.config import AlgorithmConfig, validate_config
-from protocols.plan import plan_of
 from protocols.env_checker import EnvCheckError, check_env
 from protocols.messages import Completion
+from protocols.plan import plan_of
 from tests.envs import HERE, AttemptsEnv, FaultyAttemptsEnv, attempts_config, letters
 from tests.errors_doc import assert_documented
 from tests.runs import killed_and_resumed, rows, uninterrupted_rows, write

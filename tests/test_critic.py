@@ -11,8 +11,8 @@ from orchestrator.advantages import decision_rewards, gae, normalised_per_agent
 from orchestrator.credit import CriticCredit, critic_state
 from orchestrator.rollout import Action, Episode, RecordedRoles, Turn
 from protocols.config import ConfigError, validate_config
-from protocols.plan import plan_of
 from protocols.messages import Completion
+from protocols.plan import plan_of
 from tests.envs import LetterEnv, config
 
 GAMMA, LAM = 0.9, 0.8

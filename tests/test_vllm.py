@@ -22,8 +22,8 @@ from agent_trainer.trainer import AgentTrainer  # noqa: E402
 from tests.loops import say_the_letter_curve  # noqa: E402
 from orchestrator.coordinator import Coordinator  # noqa: E402
 from protocols.config import AgentConfig, AlgorithmConfig, RolloutConfig, validate_config  # noqa: E402
-from protocols.plan import plan_of  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, ScoreRequest, UpdateRequest  # noqa: E402
+from protocols.plan import plan_of  # noqa: E402
 from tests.envs import attempts_config, config  # noqa: E402
 
 VLLM = {"engine": "vllm", "vllm": {"kv_cache_gb": 0.0625, "max_num_seqs": 64}}

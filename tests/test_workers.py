@@ -16,8 +16,8 @@ from agent_trainer.group import placement_problem
 from agent_trainer.handle import TrainerFailure
 from orchestrator.coordinator import Coordinator
 from protocols.config import ConfigError, validate_config
-from protocols.plan import plan_of
 from protocols.messages import UpdateRequest
+from protocols.plan import plan_of
 from tests.dp_workers import REQUEST, VARIANTS, die_in_a_collective, experiences, make_trainer, worker
 from tests.envs import HERE, config
 from tests.errors_doc import assert_documented, assert_quoted
