@@ -143,7 +143,8 @@ def cmd_run(args) -> int:
 
 def cmd_resume(args) -> int:
     from orchestrator import runstore
-    from orchestrator.coordinator import Coordinator, check_resume
+    from orchestrator.coordinator import Coordinator
+    from orchestrator.resume import check_resume
     from orchestrator.runlog import RunLog
 
     if args.fetch_to and not runstore.is_place(args.run_dir):
