@@ -18,8 +18,7 @@ from agent_trainer.agent import Agent
 from agent_trainer.critic import Critic
 from agent_trainer.handle import TrainerFailure
 from orchestrator import rollout, runstore
-from orchestrator.advantages import experiences_by_agent
-from orchestrator.baselines import uses_critic
+from orchestrator.baselines import experiences_by_agent, uses_critic
 from orchestrator.checkpoints import Checkpoints
 from orchestrator.console import say
 from orchestrator.credit import CriticCredit

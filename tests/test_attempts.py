@@ -10,7 +10,8 @@ import math
 import pytest
 
 from orchestrator import rollout
-from orchestrator.advantages import experiences_by_agent, scored_actions
+from orchestrator.advantages import scored_actions
+from orchestrator.baselines import experiences_by_agent
 from orchestrator.cli import main
 from orchestrator.coordinator import Coordinator
 from orchestrator.evaluation import summarise
