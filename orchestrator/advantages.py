@@ -43,7 +43,6 @@ from collections.abc import Hashable, Sequence
 
 from orchestrator.rollout import Episode
 from protocols.config import AlgorithmConfig
-from protocols.messages import Experience
 
 GROUP_KEYS = {
     "agent_role_turn": lambda agent, role, turn: (agent, role, turn),

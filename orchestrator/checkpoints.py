@@ -15,14 +15,14 @@ from agent_trainer.handle import PlacementError, TrainerFailure
 from agent_trainer.storage import StorageError
 from orchestrator import runstore
 from orchestrator.advantages import saved_baselines
+from orchestrator.checkpoint_files import (
+    CheckpointName, agent_files, as_checkpoint, checkpoint_problem, read_checkpoint_state,
+)
 from orchestrator.console import say
 from orchestrator.coordinator_state import CoordinatorState
 from orchestrator.data import DataPosition
 from orchestrator.pipeline import kept_rollouts
-from orchestrator.runlog import (
-    CheckpointName, RunDirError, RunLog, agent_files, as_checkpoint, checkpoint_problem, read_checkpoint_state,
-    recorded_place,
-)
+from orchestrator.runlog import RunDirError, RunLog, recorded_place
 from orchestrator.schedule import Schedule
 from orchestrator.session import Session
 from protocols.config import ConfigError, RunConfig

@@ -19,6 +19,7 @@ from agent_trainer.critic import Critic
 from agent_trainer.handle import TrainerFailure
 from orchestrator import rollout, runstore
 from orchestrator.baselines import experiences_by_agent, uses_critic
+from orchestrator.checkpoint_files import EVAL_TRANSCRIPTS
 from orchestrator.checkpoints import Checkpoints
 from orchestrator.console import say
 from orchestrator.credit import CriticCredit
@@ -26,7 +27,7 @@ from orchestrator.data import load_samples
 from orchestrator.evaluation import EvalResult, Evaluation, partner_agents, partner_seats
 from orchestrator.preflight import check_environment
 from orchestrator.resume import check_resume
-from orchestrator.runlog import EVAL_TRANSCRIPTS, RunLog
+from orchestrator.runlog import RunLog
 from orchestrator.schedule import RoleAssignment, Schedule, attempts_problem, seating_problem
 from orchestrator.session import Session
 from orchestrator.staleness import planned_lag

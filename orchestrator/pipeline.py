@@ -1,8 +1,9 @@
 """Where a step's episodes come from: played at the step (`SyncRollouts`, `train.max_staleness: 0`), or played
 ahead in a background thread while the coordinator updates (`AsyncRollouts`, K > 0).
 
-The step loop (`orchestrator.step_loop`) is one loop over either: `take(step)` the step's episodes, `usable(...)` what its updates may
-use of them, `updating` / `updated` around the updates, `hand_over` before a checkpoint, `close` at the end.
+The step loop (`orchestrator.step_loop`) is one loop over either: `take(step)` the step's episodes, `usable(...)`
+what its updates may use of them, `updating` / `updated` around the updates, `hand_over` before a checkpoint,
+`close` at the end. Both read the coordinator through `RolloutSource` (`orchestrator.rollout_source`).
 
 Asynchronous rollouts (see `orchestrator.staleness` for the words). The rollout of step r is drawn with each
 agent's weights after the updates of the steps before `weights_step(r, L, base)`; two gates make that exact,
