@@ -23,7 +23,7 @@ location), written, committed, listed, checked and pruned the same way: trainers
 `step-N/`, and the checkpoint counts once `coordinator.json` is there (put in place whole, last).
 Rewriting or pruning a checkpoint deletes its `coordinator.json` first, and uncommitted directories
 left by a crash (`step-N/` without it; `.tmp-step-N/` of earlier marsi versions) are removed at the
-next commit.
+next commit. A checkpoint's names, its record and the checks before a load: `orchestrator/checkpoint_files.py`.
 """
 
 from __future__ import annotations
