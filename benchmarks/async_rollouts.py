@@ -137,7 +137,7 @@ def step_seconds(agents: int, kind: str, k: int, steps: int, generate_s: float, 
     steps = max(steps, 2 * lag + 8)
     cfg = config(agents, kind, k, steps)
     coord = Coordinator(cfg, None)
-    coord._start_trainers = lambda: SleepingAgents(list(cfg.agents), generate_s, update_s, apart)
+    coord.session.start_trainers = lambda: SleepingAgents(list(cfg.agents), generate_s, update_s, apart)
     with coord:
         history = coord.run()
     ends = [m["time/end"] for m in history]

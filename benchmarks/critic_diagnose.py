@@ -39,7 +39,7 @@ def main() -> None:
     import torch
     import yaml
 
-    from orchestrator.advantages import experiences_by_agent
+    from orchestrator.baselines import experiences_by_agent
     from orchestrator.coordinator import Coordinator
     from protocols.config import validate_config
 

@@ -1,5 +1,5 @@
-"""Returns and advantages per (episode, turn, role), turned into each agent's experiences: plain Python,
-cheap, on the coordinator (which imports no torch).
+"""Returns and advantages per (episode, turn, role), which `orchestrator.baselines.experiences_by_agent` turns
+into each agent's experiences: plain Python, cheap, on the coordinator (which imports no torch).
 
 Group baselines (GRPO) compare like with like: by default an action is compared only with the actions
 of the same agent, in the same role, at the same turn, in the episodes played from the same sample
@@ -41,10 +41,8 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
 
-from orchestrator.baselines import Baselines, baseline_for
 from orchestrator.rollout import Episode
 from protocols.config import AlgorithmConfig
-from protocols.messages import Experience
 
 GROUP_KEYS = {
     "agent_role_turn": lambda agent, role, turn: (agent, role, turn),
@@ -53,27 +51,8 @@ GROUP_KEYS = {
     "agent": lambda agent, role, turn: (agent,),
 }
 
-def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
-                         baselines: Baselines) -> dict[str, list[Experience]]:
-    """Every action as an Experience with its advantage, grouped by agent; each action's `advantage` is set too
-    (its transcript shows it), by each agent's baseline strategy (`orchestrator.baselines`). `baselines` is updated
-    in place for the agents whose baseline is `ema`."""
-    actions, returns, keys, seats = scored_actions(episodes, algorithm)
-    if not actions:
-        return {}
-    advantages = [0.0] * len(actions)
-    for agent in dict.fromkeys(a.agent for a in actions):
-        own = algorithm.for_agent(agent)
-        mine = [i for i, a in enumerate(actions) if a.agent == agent]
-        scored = baseline_for(own).advantages(agent, [returns[i] for i in mine], [keys[i] for i in mine],
-                                              [seats[i] for i in mine], own, baselines)
-        for i, a in zip(mine, scored):
-            advantages[i] = a
-    out: dict[str, list[Experience]] = {}
-    for action, advantage in zip(actions, advantages):
-        action.advantage = advantage  # kept on the action for its transcript
-        out.setdefault(action.agent, []).append(Experience.from_completion(action.completion, advantage))
-    return out
+Baselines = dict[str, dict[str, dict[str, float]]]
+"""EMA baseline per agent, then role, then turn (counted from 1, as a string: it is saved as JSON)."""
 
 
 def scored_actions(episodes: list[Episode], algorithm: AlgorithmConfig) -> tuple[list, list[float], list, list]:

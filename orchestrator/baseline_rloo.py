@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 
-from orchestrator.baselines import Baseline
+from orchestrator.baseline import Baseline
 
 
 def leave_one_out_advantages(returns: Sequence[float], group_ids: Sequence[Hashable]) -> list[float]:

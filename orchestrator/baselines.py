@@ -1,9 +1,10 @@
 """Baselines: how an agent's returns become advantages, one strategy per `algorithm.baseline`.
 
-A strategy (`Baseline`) gets one agent's scored actions of a batch (`advantages.scored_actions`: each one's
+A strategy (`orchestrator.baseline.Baseline`) gets one agent's scored actions of a batch (`advantages.scored_actions`: each one's
 return, its group and its seat) and answers each action's advantage. `strategies()` names every strategy a
 config may choose for an agent (`algorithm.baseline`, or its own under `algorithm.agents`); `baseline_for`
-looks one up, once per agent and batch. The maths of each: `orchestrator.advantages` and docs/rl-maths.md.
+looks one up, once per agent and batch; `experiences_by_agent` scores a batch's episodes with them. The maths of
+each: `orchestrator.advantages` and docs/rl-maths.md.
 
 `critic` is not among them: its advantages need the critics' values of every state, so a run with
 `algorithm.baseline: critic` scores its batches through `orchestrator.credit` instead (`uses_critic`).
@@ -14,31 +15,14 @@ A new baseline is one file with one `Baseline` subclass (`orchestrator/baseline_
 
 from __future__ import annotations
 
-import abc
 import functools
-from collections.abc import Hashable
-from typing import ClassVar
 
+from orchestrator.advantages import Baselines, ema_advantages, group_relative_advantages, scored_actions
+from orchestrator.baseline import Baseline
+from orchestrator.baseline_rloo import RlooBaseline
+from orchestrator.rollout import Episode
 from protocols.config import AlgorithmConfig
-
-Baselines = dict[str, dict[str, dict[str, float]]]
-"""EMA baseline per agent, then role, then turn (counted from 1, as a string: it is saved as JSON)."""
-
-Seat = tuple[str, str, str]
-"""(agent, role, turn counted from 1 as a string)."""
-
-
-class Baseline(abc.ABC):
-    """One agent's advantages from its returns. `kept` holds what a strategy carries from batch to batch (saved in
-    checkpoints with the coordinator's state; only `ema` keeps anything)."""
-
-    name: ClassVar[str]
-
-    @abc.abstractmethod
-    def advantages(self, agent: str, returns: list[float], groups: list[Hashable], seats: list[Seat],
-                   algorithm: AlgorithmConfig, kept: Baselines) -> list[float]:
-        """The advantage of each of `agent`'s actions, given each one's return, group and seat, in that order;
-        `algorithm` is the agent's own settings (`AlgorithmConfig.for_agent`)."""
+from protocols.messages import Experience
 
 
 class GroupBaseline(Baseline):
@@ -47,8 +31,6 @@ class GroupBaseline(Baseline):
     name = "group"
 
     def advantages(self, agent, returns, groups, seats, algorithm, kept):
-        from orchestrator.advantages import group_relative_advantages
-
         return group_relative_advantages(returns, groups, scale=algorithm.scale_rewards)
 
 
@@ -59,8 +41,6 @@ class EmaBaseline(Baseline):
     name = "ema"
 
     def advantages(self, agent, returns, groups, seats, algorithm, kept):
-        from orchestrator.advantages import ema_advantages
-
         out = [0.0] * len(returns)
         for seat in dict.fromkeys(seats):
             _, role, turn = seat
@@ -78,10 +58,7 @@ CRITIC = "critic"
 
 @functools.cache
 def strategies() -> dict[str, Baseline]:
-    """Name -> strategy: every baseline a config may choose for an agent (made once, on first use: a
-    strategy's own file imports `Baseline` from here)."""
-    from orchestrator.baseline_rloo import RlooBaseline
-
+    """Name -> strategy: every baseline a config may choose for an agent (made once, on first use)."""
     return {b.name: b for b in (GroupBaseline(), EmaBaseline(), RlooBaseline())}
 
 
@@ -99,3 +76,25 @@ def uses_critic(algorithm: AlgorithmConfig) -> bool:
     """Whether a run's advantages come from its critics (`orchestrator.credit`) rather than a `Baseline`."""
     return algorithm.baseline == CRITIC
 
+
+def experiences_by_agent(episodes: list[Episode], algorithm: AlgorithmConfig,
+                         baselines: Baselines) -> dict[str, list[Experience]]:
+    """Every action as an Experience with its advantage, grouped by agent; each action's `advantage` is set too
+    (its transcript shows it), by each agent's baseline strategy (`baseline_for`). `baselines` is updated
+    in place for the agents whose baseline is `ema`."""
+    actions, returns, keys, seats = scored_actions(episodes, algorithm)
+    if not actions:
+        return {}
+    advantages = [0.0] * len(actions)
+    for agent in dict.fromkeys(a.agent for a in actions):
+        own = algorithm.for_agent(agent)
+        mine = [i for i, a in enumerate(actions) if a.agent == agent]
+        scored = baseline_for(own).advantages(agent, [returns[i] for i in mine], [keys[i] for i in mine],
+                                              [seats[i] for i in mine], own, baselines)
+        for i, a in zip(mine, scored):
+            advantages[i] = a
+    out: dict[str, list[Experience]] = {}
+    for action, advantage in zip(actions, advantages):
+        action.advantage = advantage  # kept on the action for its transcript
+        out.setdefault(action.agent, []).append(Experience.from_completion(action.completion, advantage))
+    return out

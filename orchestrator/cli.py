@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from orchestrator.checkpoint_files import checkpoint_path
+from orchestrator.export import cmd_export
 from protocols.config import RunConfig, load_config
 from protocols.errors import UserError, describe, one_line
 
@@ -144,7 +146,8 @@ def cmd_run(args) -> int:
 
 def cmd_resume(args) -> int:
     from orchestrator import runstore
-    from orchestrator.coordinator import Coordinator, check_resume
+    from orchestrator.coordinator import Coordinator
+    from orchestrator.resume import check_resume
     from orchestrator.runlog import RunLog
 
     if args.fetch_to and not runstore.is_place(args.run_dir):
@@ -357,7 +360,8 @@ def _eval(args, target: Path) -> int:
     from orchestrator.coordinator import Coordinator
     from orchestrator.evaluation import compare
     from orchestrator.preflight import evaluated_run_problem
-    from orchestrator.runlog import CheckpointName, RunLog
+    from orchestrator.checkpoint_files import CheckpointName
+    from orchestrator.runlog import RunLog
     from protocols.config import ConfigError
 
     is_run = target.is_dir()
@@ -375,13 +379,13 @@ def _eval(args, target: Path) -> int:
     if args.compare:
         _check_metric(args.metric, coord.evaluation)
     for name in set(names) - {"initial"}:
-        _checkpoint_path(name, log)  # each is there before anything starts
+        checkpoint_path(name, log)  # each is there before anything starts
     results, labels = {}, {}
     with coord:
         for name in sorted(names, key=lambda n: n != "initial"):  # initial first: the trainers start there
             step = 0
             if name != "initial":
-                path = _checkpoint_path(name, log)  # `last` resolves now: a run may still be adding checkpoints
+                path = checkpoint_path(name, log)  # `last` resolves now: a run may still be adding checkpoints
                 coord.load_weights(path)
                 step = CheckpointName.of(path).step
             result = coord.evaluation.run(coord.generate, coord.assignment, initial=name == "initial")
@@ -427,22 +431,6 @@ def _checkpoint_names(which: str, log) -> list[str]:
     if which == "all":
         return ["initial"] + ([p.name for p in log.checkpoints()] if log else [])
     return [which]
-
-
-def _checkpoint_path(name: str, log):
-    from protocols.config import ConfigError
-
-    found = log.checkpoints()  # oldest first
-    if name == "last":
-        if not found:
-            raise ConfigError(f"{log.dir}: no complete checkpoint to evaluate; evaluate its initial models with "
-                              "--checkpoint initial, or wait for the run's first checkpoint (train.checkpoint_every)")
-        return found[-1]
-    checkpoint = log.find_checkpoint(name)
-    if checkpoint is None:
-        raise ConfigError(f"{log.dir}: no checkpoint {name!r}; have initial, last, "
-                          f"{', '.join(p.name for p in found) or '(none)'}")
-    return checkpoint
 
 
 def _print_eval_table(results) -> None:
@@ -523,85 +511,6 @@ def cmd_report(args) -> int:
         print(report(run_dirs, out, SMOOTHING if args.smoothing is None else args.smoothing,
                      MAX_MB if args.max_mb is None else args.max_mb, force=args.force))
     return 0
-
-
-def cmd_export(args) -> int:
-    """Write an agent's weights at a checkpoint as a plain HF model: an adapter agent's adapter merged into its
-    base (float32), a full-model agent's weights as saved, a frozen agent's source."""
-    from orchestrator import runstore
-
-    with runstore.run_view(args.run_dir) as run_dir:
-        return _export_run(args, run_dir)
-
-
-def _export_run(args, run_dir: Path) -> int:
-    import shutil
-    import tempfile
-
-    from orchestrator.runlog import RunLog, checkpoint_problem
-    from protocols.config import ConfigError
-
-    out = Path(args.out)
-    config = load_config(run_dir / "config.yaml", check_imports=False)
-    if args.agent not in config.agents:
-        raise ConfigError(f"--agent {args.agent}: no such agent in {run_dir}; agents: {', '.join(config.agents)}")
-    if out.is_dir() and any(out.iterdir()):
-        raise ConfigError(f"--out {out}: not empty; give a new or empty directory")
-    made = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as exc:
-        raise ConfigError(f"--out {out}: cannot create or write this directory ({exc.strerror or describe(exc)}); "
-                          "give one where you can write, e.g. --out ./exported") from None
-    try:
-        checkpoint = _checkpoint_path(args.checkpoint, RunLog(run_dir))
-        problem = checkpoint_problem(checkpoint)
-        if problem:
-            raise FileNotFoundError(f"checkpoint {checkpoint} is damaged ({problem}); export another with "
-                                    "--checkpoint step-N")
-        _export(config.agents[args.agent], checkpoint, args.agent, out)
-    except BaseException:
-        if made:
-            shutil.rmtree(out, ignore_errors=True)  # made for this export, which did not finish
-        raise
-    print(f"marsi: wrote agent {args.agent!r} at {checkpoint.name} to {out} "
-          f"({'adapter merged into ' + config.agents[args.agent].model if config.agents[args.agent].adapter else 'full model'})")
-    return 0
-
-
-def _export(agent, checkpoint, name: str, out: Path) -> None:
-    """Write agent `name`'s model of `checkpoint` to `out`: its files are fetched from the store into a
-    temporary directory, each checked against the checkpoint's manifest."""
-    import tempfile
-
-    from agent_trainer import storage
-    from orchestrator.runlog import agent_files
-
-    with tempfile.TemporaryDirectory(prefix="marsi-export-") as tmp:
-        problem = storage.download(checkpoint / "agents" / name, agent_files(checkpoint, name), Path(tmp))
-        if problem:
-            raise FileNotFoundError(f"checkpoint {checkpoint}: agents/{name}/{problem}")
-        model, tokenizer = _exported_model(agent, Path(tmp))
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-
-
-def _exported_model(agent, source: Path):
-    """(model, tokenizer) of a checkpoint's agent directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from agent_trainer.adapters import ADAPTER_DIR, merged_model
-    from agent_trainer.models import load_model
-
-    if agent.adapter is not None:
-        saved = source / ADAPTER_DIR if (source / ADAPTER_DIR).is_dir() else agent.adapter.path  # frozen: its source
-        if saved is None:
-            return load_model(agent.model, tokenizer=agent.tokenizer)  # a frozen, fresh adapter is the base
-        return merged_model(agent, Path(saved))
-    if (source / "model").is_dir():  # the trainer saved its tokenizer beside the weights
-        return AutoModelForCausalLM.from_pretrained(source / "model"), AutoTokenizer.from_pretrained(source / "model")
-    return load_model(agent.model, tokenizer=agent.tokenizer)  # no update yet (source.json): the model's own weights
 
 
 COMMANDS = {"run": cmd_run, "resume": cmd_resume, "validate": cmd_validate, "eval": cmd_eval, "schema": cmd_schema,

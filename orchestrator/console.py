@@ -51,3 +51,8 @@ def progress(done: int, total: int, enabled: bool, terminal: bool | None = None)
     if enabled and not terminal:
         return PlainProgress(total, done)
     return tqdm(total=total, initial=done, disable=not enabled, unit="step", dynamic_ncols=True)
+
+
+def say(message: str) -> None:
+    """A warning or a recovery note: `marsi: MESSAGE` on stderr, at once."""
+    print(f"marsi: {message}", file=sys.stderr, flush=True)

@@ -1,8 +1,9 @@
 """Where a step's episodes come from: played at the step (`SyncRollouts`, `train.max_staleness: 0`), or played
 ahead in a background thread while the coordinator updates (`AsyncRollouts`, K > 0).
 
-`Coordinator.run()` is one loop over either: `take(step)` the step's episodes, `usable(...)` what its updates may
-use of them, `updating` / `updated` around the updates, `hand_over` before a checkpoint, `close` at the end.
+The step loop (`orchestrator.step_loop`) is one loop over either: `take(step)` the step's episodes, `usable(...)`
+what its updates may use of them, `updating` / `updated` around the updates, `hand_over` before a checkpoint,
+`close` at the end. Both read the coordinator through `RolloutSource` (`orchestrator.rollout_source`).
 
 Asynchronous rollouts (see `orchestrator.staleness` for the words). The rollout of step r is drawn with each
 agent's weights after the updates of the steps before `weights_step(r, L, base)`; two gates make that exact,
@@ -33,33 +34,31 @@ import copy
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agent_trainer.agent import Agent
 from orchestrator import rollout
 from orchestrator.data import DataPosition, next_batch
+from orchestrator.rollout_source import RolloutSource
 from orchestrator.staleness import (
     Usable, clipped, length, timing_metrics, union, usable_actions, weights_step,
 )
 from protocols.messages import Experience, GenerateRequest
 
-if TYPE_CHECKING:
-    from orchestrator.coordinator import Coordinator
-
 
 class SyncRollouts:
     """Each step plays its own episodes, with the weights of the step before: today's synchronous loop."""
 
-    def __init__(self, coord: Coordinator):
-        self.coord = coord
+    def __init__(self, source: RolloutSource):
+        self.source = source
 
     def take(self, step: int) -> tuple[list[rollout.Episode], DataPosition]:
-        coord, cfg = self.coord, self.coord.config.train
-        epoch = coord.state.data.epoch
-        samples = next_batch(coord.samples, cfg.batch_size, coord.state.data, cfg.seed, coord.config.data.shuffle)
-        if coord.state.data.epoch != epoch:
-            warn_epoch(coord)
-        return coord.play(samples), coord.state.data
+        source, cfg = self.source, self.source.config.train
+        epoch = source.state.data.epoch
+        samples = next_batch(source.samples, cfg.batch_size, source.state.data, cfg.seed, source.config.data.shuffle)
+        if source.state.data.epoch != epoch:
+            warn_epoch(source)
+        return source.play(samples), source.state.data
 
     def usable(self, step: int, episodes: list[rollout.Episode], experiences: dict[str, list[Experience]],
                scheduled: list[str]) -> tuple[dict[str, list[Experience]], dict[str, Any]]:
@@ -81,9 +80,9 @@ class SyncRollouts:
         pass
 
 
-def warn_epoch(coord: Coordinator) -> None:
-    coord.warn_once("data", "epoch", f"data: all {len(coord.samples)} samples used; going round again"
-                    f"{' (reshuffled each epoch)' if coord.config.data.shuffle else ''}; data/epoch counts")
+def warn_epoch(source: RolloutSource) -> None:
+    source.warn_once("data", "epoch", f"data: all {len(source.samples)} samples used; going round again"
+                     f"{' (reshuffled each epoch)' if source.config.data.shuffle else ''}; data/epoch counts")
 
 
 @dataclass
@@ -126,12 +125,12 @@ class _Stopped(Exception):
 class AsyncRollouts:
     """Rollouts played `lag` steps ahead by a background thread, in step order, behind the version gates."""
 
-    def __init__(self, coord: Coordinator, lag: int):
-        self.coord, self.lag = coord, lag
-        cfg, state = coord.config, coord.state
+    def __init__(self, source: RolloutSource, lag: int):
+        self.source, self.lag = source, lag
+        cfg, state = source.config, source.state
         self.agents = list(cfg.agents)
-        self.bounds = coord.plan.staleness_bounds
-        self.apart = set(getattr(coord.pool, "engines_apart", ()))  # agents whose rollout engine is a process of its own
+        self.bounds = source.plan.staleness_bounds
+        self.apart = set(getattr(source.pool, "engines_apart", ()))  # agents whose rollout engine is a process of its own
         self.steps = cfg.train.steps
         self.limit = self.steps + lag  # the first step not played: the last checkpoint keeps the L after the run's end
         self.base = state.step
@@ -152,19 +151,19 @@ class AsyncRollouts:
 
     # ------------------------------------------------------------------------------ the producer
     def _produce(self) -> None:
-        coord, cfg = self.coord, self.coord.config.train
+        source, cfg = self.source, self.source.config.train
         try:
             while self.next_play < self.limit:
                 step = self.next_play
                 data, episodes_before = self.cursor
                 before = copy.copy(data)
                 epoch = data.epoch
-                samples = next_batch(coord.samples, cfg.batch_size, data, cfg.seed, coord.config.data.shuffle)
+                samples = next_batch(source.samples, cfg.batch_size, data, cfg.seed, source.config.data.shuffle)
                 if data.epoch != epoch and step < self.steps:
-                    warn_epoch(coord)
-                episodes = rollout.play(coord.make_env, samples, cfg.num_generations, coord.assignment,
+                    warn_epoch(source)
+                episodes = rollout.play(source.make_env, samples, cfg.num_generations, source.assignment,
                                         self._generate_for(step), seed=cfg.seed, first_episode=episodes_before,
-                                        attempts=coord.config.roles.attempts)
+                                        attempts=source.config.roles.attempts)
                 after = episodes_before + len(episodes)
                 with self.cond:
                     self.played[step] = Played(step, before, episodes_before, copy.copy(data), after, episodes)
@@ -187,12 +186,11 @@ class AsyncRollouts:
                 if self.stopped:
                     raise _Stopped
                 versions = {a: self.version_at[a][need] for a in prompts}
-            coord = self.coord
-            coord._known(prompts, "generate")
+            self.source.check_agents(prompts, "generate")
             requests = {a: GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a), policy_version=versions[a])
                         for a, p in prompts.items() if p}
             start = time.perf_counter()
-            results = coord.pool.each(Agent.generate, requests)
+            results = self.source.pool.each(Agent.generate, requests)
             end = time.perf_counter()
             with self.cond:
                 self.calls.extend((a, "generate", start, end) for a in requests)
@@ -221,7 +219,7 @@ class AsyncRollouts:
 
     def usable(self, step: int, episodes: list[rollout.Episode], experiences: dict[str, list[Experience]],
                scheduled: list[str]) -> tuple[dict[str, list[Experience]], dict[str, Any]]:
-        learners = {a: self.coord.state.versions.get(a, 0) for a in self.agents}
+        learners = {a: self.source.state.versions.get(a, 0) for a in self.agents}
         found: Usable = usable_actions(episodes, learners, self.bounds)
         kept = {}
         for agent, exps in experiences.items():
@@ -231,9 +229,9 @@ class AsyncRollouts:
             kept[agent] = [e for e, keep in zip(exps, flags) if keep]
             if not kept[agent]:
                 del kept[agent]
-                self.coord.warn_once(agent, "stale", f"agent {agent!r}: every action of its at step {step + 1} was more "
-                                     f"than {self.bounds[agent]} policy versions behind (its own or a partner's), so "
-                                     "its update is skipped (counted in staleness/NAME/dropped)")
+                self.source.warn_once(agent, "stale", f"agent {agent!r}: every action of its at step {step + 1} was more "
+                                      f"than {self.bounds[agent]} policy versions behind (its own or a partner's), so "
+                                      "its update is skipped (counted in staleness/NAME/dropped)")
         return kept, found.metrics(scheduled)
 
     def updating(self, step: int, training: list[str]) -> None:
@@ -254,7 +252,7 @@ class AsyncRollouts:
         with self.cond:
             self.calls.extend((a, "update", self.update_start, end) for a in training)
             for agent in training:
-                self.version_at[agent][step + 1] = self.coord.state.versions.get(agent, 0)
+                self.version_at[agent][step + 1] = self.source.state.versions.get(agent, 0)
                 self.through[agent] = step + 1
             for versions in self.version_at.values():  # what no rollout still to play can ask for
                 for old in [s for s in versions if s < step + 1 - self.lag]:
@@ -279,7 +277,7 @@ class AsyncRollouts:
         """Put into the coordinator state what a checkpoint (or the next `run()`) needs: the rollouts of the steps
         after `state.step` that were played with older weights than it holds (steps up to state.step + lag - 1),
         and the data and episode counters after the last of them."""
-        state = self.coord.state
+        state = self.source.state
         last = min(state.step + self.lag, self.limit) - 1
         self._wait(lambda: self._played_through(last))
         with self.cond:

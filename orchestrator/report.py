@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orchestrator.checkpoint_files import EVAL_TRANSCRIPTS, TRANSCRIPTS
 from orchestrator.plot import CONFIDENCE, SMOOTHING, Panel, flat_notes, panels, read_runs
 from orchestrator.runfiles import check_output, listing, read_records, read_text, skipped, write_output
-from orchestrator.runlog import EVAL_TRANSCRIPTS, TRANSCRIPTS
 from orchestrator.transcripts import MAX_MB, Inlined, inlined
 
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",

@@ -23,7 +23,7 @@ location), written, committed, listed, checked and pruned the same way: trainers
 `step-N/`, and the checkpoint counts once `coordinator.json` is there (put in place whole, last).
 Rewriting or pruning a checkpoint deletes its `coordinator.json` first, and uncommitted directories
 left by a crash (`step-N/` without it; `.tmp-step-N/` of earlier marsi versions) are removed at the
-next commit.
+next commit. A checkpoint's names, its record and the checks before a load: `orchestrator/checkpoint_files.py`.
 """
 
 from __future__ import annotations
@@ -31,62 +31,30 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, ClassVar, Iterator
+from typing import IO, Any, Iterator
 
 import yaml
 
 from agent_trainer import storage
 from agent_trainer.storage import StorageError
+from orchestrator.checkpoint_files import (
+    CHECKPOINT_DONE, EVAL_TRANSCRIPTS, TRANSCRIPTS, CheckpointName, checkpoint_problem, complete_checkpoints,
+    read_checkpoint_state, record_digest,
+)
 from orchestrator.lease import Lease
 from orchestrator.loggers import Logger, missing_extra, open_loggers
 from protocols.config import LoggingConfig, RunConfig
 from protocols.errors import UserError
 from protocols.messages import Location
 
-CHECKPOINT_DONE = "coordinator.json"  # written last: a checkpoint without it is incomplete
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
-TRANSCRIPTS = "transcripts.jsonl"
-EVAL_TRANSCRIPTS = "eval_transcripts.jsonl"
 STORE_RECORD = "store.json"  # with train.storage: the run's place in the store (STORAGE/RUN_NAME)
-SEGMENTS = "records"  # with train.storage: STORAGE/RUN_NAME/records/NAME/SHA256, the transcripts' segments
-_STATE_KEYS = ("step", "episodes", "data", "baselines", "manifest")
-
-
-@dataclass(frozen=True, order=True)
-class CheckpointName:
-    """The name of the checkpoint of a step: `step-000015` for step 15, as written; `step-15` names it too
-    wherever a user names a checkpoint (`parse`)."""
-
-    step: int
-
-    PREFIX: ClassVar[str] = "step-"
-
-    @classmethod
-    def parse(cls, name: str) -> CheckpointName | None:
-        """The checkpoint `name` (`step-N`, N of any width) names, or None if it names none."""
-        digits = name.removeprefix(cls.PREFIX)
-        if digits == name or not digits.isdigit():
-            return None
-        return cls(int(digits))
-
-    @classmethod
-    def of(cls, checkpoint: Location) -> CheckpointName:
-        """The name of a checkpoint directory (one `RunLog.checkpoints` lists)."""
-        name = cls.parse(checkpoint.name)
-        if name is None:
-            raise ValueError(f"{checkpoint}: not a checkpoint directory (its name is not {cls.PREFIX}N)")
-        return name
-
-    def __str__(self) -> str:
-        return f"{self.PREFIX}{self.step:06d}"
 
 
 class RunDirError(UserError, RuntimeError):
@@ -432,7 +400,7 @@ class RunLog:
         record = {**state, "manifest": {name: digest for name, (digest, _) in files.items()},
                   "sizes": {name: size for name, (_, size) in files.items()}}
         self._confirm_lease()
-        storage.commit_bytes(staging / CHECKPOINT_DONE, json.dumps({**record, "sha256": _digest(record)}).encode())
+        storage.commit_bytes(staging / CHECKPOINT_DONE, json.dumps({**record, "sha256": record_digest(record)}).encode())
         for old in self.checkpoints()[:-keep]:
             self.abort_checkpoint(old)
         self._sweep(keep=staging)
@@ -478,12 +446,6 @@ class RunLog:
                 storage.delete_file(self.checkpoint_dir() / name)
 
 
-def complete_checkpoints(root: Location) -> list[Location]:
-    """The complete checkpoints below `root` (a run's `checkpoints`), oldest first (by step number, not by name)."""
-    found = [root / name for name in storage.subdirectories(root) if CheckpointName.parse(name)]
-    return sorted((c for c in found if storage.exists(c / CHECKPOINT_DONE)), key=CheckpointName.of)
-
-
 def recorded_place(run_dir: Path) -> Location | None:
     """The run's place in storage as RUN_DIR/store.json records it (None: no record, as in runs of older marsi)."""
     try:
@@ -502,78 +464,6 @@ def recorded_storage(run_dir: Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def as_checkpoint(path: str | Path | Location) -> Location:
-    """A checkpoint given by the user: a URI (`s3://...`, `file://...`) or a path (a `file://` location)."""
-    return path if isinstance(path, Location) else Location.parse(path)
-
-
-def read_checkpoint_state(path: Location) -> dict[str, Any]:
-    """The coordinator state of the checkpoint at `path`; ValueError unless it is whole and unaltered."""
-    try:
-        raw = json.loads(storage.read_bytes(path / CHECKPOINT_DONE))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{CHECKPOINT_DONE} unreadable ({type(exc).__name__})") from None
-    if not isinstance(raw, dict) or "sha256" not in raw:
-        raise ValueError(f"{CHECKPOINT_DONE} has no checksum of itself")
-    digest = raw.pop("sha256")
-    if _digest(raw) != digest:
-        raise ValueError(f"{CHECKPOINT_DONE} does not match its checksum")
-    missing = [k for k in _STATE_KEYS if k not in raw]
-    if missing:
-        raise ValueError(f"{CHECKPOINT_DONE} lacks {', '.join(missing)}")
-    return raw
-
-
-def checkpoint_problem(path: Location) -> str | None:
-    """Why the checkpoint at `path` must not be loaded (a missing, truncated or altered file), or None. Its
-    record and each file's presence and size are checked here; each file's checksum on the trainer's node
-    that loads it (`agent_trainer.storage.load`), so that no agent's weights travel to the coordinator."""
-    try:
-        state = read_checkpoint_state(path)
-    except ValueError as exc:
-        return str(exc)
-    try:
-        present = storage.file_sizes(path)
-    except OSError as exc:
-        return f"its files cannot be listed ({' '.join(str(exc).split())})"
-    for name in state["manifest"]:
-        if not _inside(name):
-            return f"its manifest names {name!r}, a path outside the checkpoint"
-        if name not in present:
-            return f"{name} is missing"
-        recorded = state.get("sizes", {}).get(name)
-        if recorded is not None and present[name] != recorded:
-            return f"{name} does not match its checksum (it is {present[name]} bytes, not {recorded})"
-    for name, segments in state.get("records", {}).items():  # the transcripts' segments, beside the checkpoints
-        if name not in (TRANSCRIPTS, EVAL_TRANSCRIPTS) or not all(_is_digest(digest) for digest, _ in segments):
-            return f"its records name {name!r}, which is not a transcripts file of the run's segments"
-        try:
-            stored = storage.file_sizes(path.parent.parent / SEGMENTS / name)
-        except OSError as exc:
-            return f"its records cannot be listed ({' '.join(str(exc).split())})"
-        for digest, size in segments:
-            if stored.get(digest) != size:
-                return f"{SEGMENTS}/{name}/{digest} is {'missing' if digest not in stored else 'cut short'}"
-    return None
-
-
-def _inside(name: str) -> bool:
-    """Whether a manifest's relative name stays inside its checkpoint (a store shared with others may hold a crafted
-    `coordinator.json`: its names become paths where the files are downloaded)."""
-    return bool(name) and not name.startswith("/") and all(part not in ("", ".", "..") for part in name.split("/"))
-
-
-def _is_digest(text: object) -> bool:
-    return isinstance(text, str) and len(text) == 64 and all(c in "0123456789abcdef" for c in text)
-
-
-def agent_files(checkpoint: Location, agent: str) -> dict[str, str]:
-    """The files of `agent` in the checkpoint's manifest: name relative to its directory -> sha256."""
-    prefix = f"agents/{agent}/"
-    return {name.removeprefix(prefix): digest for name, digest in read_checkpoint_state(checkpoint)["manifest"].items()
-            if name.startswith(prefix)}
-
-
 def _source_file(spec: str) -> Path | None:
     """The file an import spec's object is defined in, unless it belongs to an installed package."""
     import inspect
@@ -588,10 +478,6 @@ def _source_file(spec: str) -> Path | None:
     if not path.is_file() or any(part in installed for part in path.parts) or path.is_relative_to(sys.base_prefix):
         return None
     return path
-
-
-def _digest(record: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
 def _jsonl_lines(path: Path, stream: IO[str] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:

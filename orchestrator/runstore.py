@@ -38,9 +38,11 @@ from typing import Iterator
 
 from agent_trainer import storage
 from orchestrator import lease
+from orchestrator.checkpoint_files import (
+    EVAL_TRANSCRIPTS, SEGMENTS, TRANSCRIPTS, checkpoint_problem, complete_checkpoints, read_checkpoint_state,
+)
 from orchestrator.runlog import (
-    EVAL_TRANSCRIPTS, SEGMENTS, STORE_RECORD, TRANSCRIPTS, RunDirError, RunLog, checkpoint_problem,
-    complete_checkpoints, holds_run, lock_dir, read_checkpoint_state, recorded_place,
+    STORE_RECORD, RunDirError, RunLog, holds_run, lock_dir, recorded_place,
 )
 from protocols.config import ConfigError, credentials_problem
 from protocols.messages import Location

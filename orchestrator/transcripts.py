@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.checkpoint_files import EVAL_TRANSCRIPTS, TRANSCRIPTS
 from orchestrator.runfiles import open_inside
-from orchestrator.runlog import EVAL_TRANSCRIPTS, TRANSCRIPTS
 
 MAX_MB = 20.0
 """Default bound of the episodes a report inlines, in MB of JSON over all its runs."""

@@ -28,7 +28,7 @@ def join_ray_cluster(ray_cluster) -> dict[str, str]:
 
 
 FAST_MODULES = {"test_config", "test_losses", "test_attention", "test_plot", "test_example_envs", "test_dispatch",
-                "test_docs"}
+                "test_docs", "test_import_cycles", "test_architecture"}
 """Modules whose tests train no model and start no Ray (a test that asks for `ray_cluster` excepted)."""
 
 

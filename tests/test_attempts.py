@@ -10,10 +10,12 @@ import math
 import pytest
 
 from orchestrator import rollout
-from orchestrator.advantages import experiences_by_agent, scored_actions
+from orchestrator.advantages import scored_actions
+from orchestrator.baselines import experiences_by_agent
 from orchestrator.cli import main
-from orchestrator.coordinator import Coordinator, step_metrics
+from orchestrator.coordinator import Coordinator
 from orchestrator.evaluation import summarise
+from orchestrator.steplog import step_metrics
 from protocols.config import AlgorithmConfig, validate_config
 from protocols.env_checker import EnvCheckError, check_env
 from protocols.messages import Completion

@@ -241,7 +241,7 @@ def test_rsi_fixed_generator_writes_the_problem_itself():
 
 def test_rsi_attempts_share_one_prompt_and_their_advantages_are_centred_within_the_k():
     from orchestrator import rollout
-    from orchestrator.advantages import experiences_by_agent
+    from orchestrator.baselines import experiences_by_agent
     from protocols.config import AlgorithmConfig
     from protocols.messages import Completion
 

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from agent_trainer import storage
-from orchestrator.coordinator import Coordinator, RunFailed
+from orchestrator.checkpoints import RunFailed
+from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunLog, checkpoint_problem
 from protocols.config import validate_config
 from tests.envs import config

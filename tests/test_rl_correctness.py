@@ -13,7 +13,7 @@ from agent_trainer import trainer as trainer_module
 from agent_trainer.models import resolve_model_path
 from agent_trainer.trainer import AgentTrainer
 from orchestrator import rollout
-from orchestrator.advantages import experiences_by_agent
+from orchestrator.baselines import experiences_by_agent
 from orchestrator.coordinator import Coordinator
 from orchestrator.schedule import RoleAssignment
 from protocols.config import AgentConfig, AlgorithmConfig, RolesConfig, validate_config

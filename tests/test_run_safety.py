@@ -21,6 +21,7 @@ from agent_trainer import storage
 from agent_trainer.handle import TrainerFailure
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, make_run_dir
+from orchestrator.session import Session
 from protocols.config import validate_config
 from tests.envs import config
 from tests.errors_doc import assert_documented, assert_quoted
@@ -332,16 +333,16 @@ def test_a_trainer_killed_during_the_resume_probe_is_restarted(ray_cluster, tmp_
     as the resumed coordinator sends the storage probe."""
     with Coordinator(validate_config(config(train={"steps": 1, "checkpoint_every": 1})), tmp_path / "run") as coord:
         coord.run()
-    probe = Coordinator._check_storage_reach
+    probe = Session.check_storage_reach
     killed = []
 
-    def kill_then_probe(coord):  # the trainer dies as the coordinator sends it the storage probe
+    def kill_then_probe(session):  # the trainer dies as the coordinator sends it the storage probe
         if not killed:
-            killed.append(coord.pool.info()["b"]["pid"])
+            killed.append(session.pool.info()["b"]["pid"])
             os.kill(killed[0], signal.SIGKILL)
-        probe(coord)
+        probe(session)
 
-    monkeypatch.setattr(Coordinator, "_check_storage_reach", kill_then_probe)
+    monkeypatch.setattr(Session, "check_storage_reach", kill_then_probe)
     with Coordinator.resume(tmp_path / "run", ["train.steps=2", "ray.enabled=true"]) as coord:
         assert killed and coord.restarts == 1 and coord.state.step == 1
         assert killed[0] not in {i["pid"] for i in coord.pool.info().values()}

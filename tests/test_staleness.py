@@ -4,6 +4,8 @@ the policy versions actions carry, K = 0 as the synchronous loop, and exact resu
 from __future__ import annotations
 
 import subprocess
+from contextlib import nullcontext
+from unittest import mock
 
 import pytest
 
@@ -12,6 +14,7 @@ from orchestrator.coordinator import Coordinator
 from orchestrator.rollout import Action, Episode, RecordedRoles, Turn
 from orchestrator.runlog import RunLog, read_checkpoint_state
 from orchestrator.schedule import Schedule
+from orchestrator.step_loop import StepLoop
 from orchestrator.staleness import rollout_lag, timing_metrics, usable_actions, weights_step
 from protocols.config import ConfigError, ScheduleConfig, validate_config
 from protocols.messages import Completion
@@ -112,9 +115,8 @@ def test_an_agents_bound_above_the_runs_is_refused():
 
 # --------------------------------------------------------------------------------- on the tiny model
 def _run(raw, run_dir=None, rollouts=None) -> list[dict]:
-    with Coordinator(validate_config(raw), run_dir) as coord:
-        if rollouts is not None:
-            coord._rollouts = lambda: rollouts(coord)
+    made = mock.patch.object(StepLoop, "rollouts", lambda loop: rollouts(loop.coord)) if rollouts else nullcontext()
+    with Coordinator(validate_config(raw), run_dir) as coord, made:
         return coord.run()
 
 

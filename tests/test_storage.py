@@ -13,7 +13,8 @@ import pytest
 
 from agent_trainer import storage
 from protocols.messages import Location
-from orchestrator.coordinator import Coordinator, ResumeError, check_resume
+from orchestrator.coordinator import Coordinator
+from orchestrator.resume import ResumeError, check_resume
 from orchestrator.runlog import RunDirError, RunLog, checkpoint_problem, read_checkpoint_state
 from protocols.config import ConfigError, validate_config
 from tests.envs import config
@@ -361,7 +362,7 @@ def test_a_node_that_cannot_reach_the_store_is_named_and_the_coordinator_side_sa
         monkeypatch.setattr(storage, "read_bytes", unreachable)
         monkeypatch.setattr(coord.config.ray, "enabled", True)  # the probe runs for trainers that may be elsewhere
         with pytest.raises(storage.StorageError) as info:
-            coord._check_storage_reach()
+            coord.session.check_storage_reach()
     assert_documented("storage_unreached_from_node", info.value, STORE=store, NODE="its node", AGENT="a")
 
 
