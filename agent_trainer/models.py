@@ -163,6 +163,26 @@ def model_config(name: str):
     return AutoConfig.from_pretrained(resolve_model_path(name))
 
 
+def parameter_counts(agent) -> tuple[int, int]:
+    """(parameters of the agent's model, those it trains: all of them, or its LoRA adapter's), counted on the
+    meta device: no weights are loaded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(agent.model))
+    total = sum(p.numel() for p in model.parameters())
+    if agent.adapter is None:
+        return total, total
+    from peft import get_peft_model
+
+    from agent_trainer.adapters import lora_config
+
+    with torch.device("meta"):
+        adapted = get_peft_model(model, lora_config(agent))
+    return total, sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+
+
 _SHAPE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
 

@@ -23,7 +23,7 @@ from agent_trainer.critic import Critic
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool
 from agent_trainer.precision import emulation_warning
 from agent_trainer.storage import StorageError
-from orchestrator import rollout, runstore
+from orchestrator import memory_plan, rollout, runstore
 from orchestrator.advantages import Baselines, experiences_by_agent, saved_baselines
 from orchestrator.baselines import uses_critic
 from orchestrator.console import phase, progress
@@ -549,6 +549,7 @@ class Coordinator:
         bar = progress(self.state.step, until, cfg.progress)
         history, failed_at = [], None
         rollouts = self._rollouts()
+        self._with_recovery(lambda: memory_plan.prepare(self, self.state.step, start=True))  # optimizer state: where updates come
         try:  # the bar is closed whatever happens, so an error starts a line of its own
             while self.state.step < until and not self.stop_requested:
                 self._seconds.clear()
@@ -568,6 +569,7 @@ class Coordinator:
                     rollouts.updating(step, training)
                     results = self.train({a: usable[a] for a in training})
                     self.state.versions.update({a: r.policy_version for a, r in results.items()})
+                    memory_plan.prepare(self, step + 1)  # release until the next update, fetch for the next step
                     rollouts.updated(step, training)
                     critic_results = self.train_critics(value_targets)
                     self.state.step += 1
