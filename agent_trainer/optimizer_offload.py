@@ -139,8 +139,9 @@ class OptimizerOffload:
             return
         if not self._copy_current:
             if self.device.type == "cuda":
-                self._copy = {i: {k: _pinned(v) for k, v in s.items()} for i, s in state.items()}
-                torch.cuda.current_stream(self.device).synchronize()
+                with torch.cuda.device(self.device):
+                    self._copy = {i: {k: _pinned(v) for k, v in s.items()} for i, s in state.items()}
+                    torch.cuda.current_stream(self.device).synchronize()
             else:
                 torch.save(state, self._file())
             self._copy_current = True
@@ -161,7 +162,7 @@ class OptimizerOffload:
         if self.device.type != "cuda":
             return torch.load(self._file(), weights_only=True)
         stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             state = {i: {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in s.items()}
                      for i, s in self._copy.items()}
         stream.synchronize()
@@ -170,6 +171,10 @@ class OptimizerOffload:
     def _install(self, state: State) -> None:
         params = self._params()
         for i, s in state.items():
+            if self.device.type == "cuda":  # copied on the side stream, used on the trainer's from now on
+                for value in s.values():
+                    if torch.is_tensor(value):
+                        value.record_stream(torch.cuda.current_stream(self.device))
             self.optimizer.state[params[i]] = s
         self.released = False
         if self.device.type == "cuda":  # pinned memory is scarce: released again, the state is copied again

@@ -150,3 +150,23 @@ def test_a_checkpoint_while_released_resumes_to_the_same_metrics(tmp_path):
     with Coordinator.resume(tmp_path / "released") as coord:
         coord.run()
     assert without_times(rows(tmp_path / "released")) == without_times(rows(tmp_path / "kept"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_released_to_pinned_memory_and_fetched_to_the_gpu_bit_for_bit():
+    device = torch.device("cuda", 0)
+    parameter = torch.nn.Parameter(torch.randn(1 << 20, device=device))
+    optimizer = torch.optim.AdamW([parameter], lr=1e-3, fused=True)
+    parameter.grad = torch.randn_like(parameter)
+    optimizer.step()
+    before = state_tensors(optimizer)
+    offload = OptimizerOffload(optimizer, device=device, label="gpu-test")
+    allocated = torch.cuda.memory_allocated(device)
+    offload.release()
+    offload.wait()
+    assert torch.cuda.memory_allocated(device) <= allocated - 2 * parameter.numel() * 4
+    offload.prefetch()
+    offload.resident()
+    for key, value in state_tensors(optimizer).items():
+        assert value.device == before[key].device and torch.equal(value, before[key]), key
+    offload.close()
