@@ -403,6 +403,8 @@ class AgentTrainer:
     def _set_weights(self, model) -> None:
         """Make `model` the policy, on this trainer's device, and put its weights into the rollout engine."""
         attention.use(model)
+        if not self.trainable:
+            model.requires_grad_(False)
         self.model = model.to(self.device).eval()
         self.engine.sync(self.model)
 

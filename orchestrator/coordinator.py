@@ -548,8 +548,8 @@ class Coordinator:
             self.warn_once("rollouts", "lag", self.lag_note)
         bar = progress(self.state.step, until, cfg.progress)
         history, failed_at = [], None
-        rollouts = self._rollouts()
         self._with_recovery(lambda: memory_plan.prepare(self, self.state.step, start=True))  # optimizer state: where updates come
+        rollouts = self._rollouts()
         try:  # the bar is closed whatever happens, so an error starts a line of its own
             while self.state.step < until and not self.stop_requested:
                 self._seconds.clear()
