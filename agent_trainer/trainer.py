@@ -112,9 +112,10 @@ class AgentTrainer:
                                   stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id, device=self.device,
                                   seed=seed, autocast=self._autocast)
         self.load_seconds = time.perf_counter() - loading  # the model, its tokenizer and its rollout engine
+        # a frozen agent builds no optimizer and runs no backward pass, so it holds no gradient either. Its parameters
+        # keep requires_grad: without it torch's matmul splits its products otherwise, and a frozen copy (a rollout
+        # engine of its own, `rollout.placement: separate`) would sample unlike its learner by rounding
         self.ref_model = self.optimizer = self.offload = None
-        if not trainable:  # never updated: no optimizer, and no parameter asks for a gradient
-            self.model.requires_grad_(False)
         if trainable:
             if algorithm.beta > 0:
                 self.ref_model = self._reference_model()
@@ -403,8 +404,6 @@ class AgentTrainer:
     def _set_weights(self, model) -> None:
         """Make `model` the policy, on this trainer's device, and put its weights into the rollout engine."""
         attention.use(model)
-        if not self.trainable:
-            model.requires_grad_(False)
         self.model = model.to(self.device).eval()
         self.engine.sync(self.model)
 

@@ -45,7 +45,10 @@ def pss_bytes() -> int:
 def test_a_frozen_agent_holds_no_optimizer_state_and_no_gradients():
     trainer = make_trainer(trainable=False)
     assert trainer.optimizer is None and trainer.offload is None
-    assert not any(p.requires_grad for p in trainer.model.parameters())
+    trainer.generate(GenerateRequest(prompts=["Say a"], seed=0))
+    assert all(p.grad is None for p in trainer.model.parameters())
+    with pytest.raises(ValueError, match="frozen"):
+        trainer.update(UpdateRequest(experiences=[]))
     trainer.hold_optimizer(False)  # the plan's call is harmless on a frozen agent
     trainer.close()
 
