@@ -74,6 +74,12 @@ class OptimizerConfig(_Strict):
     leaves steps without its update; `off`: the state stays resident. Updates, metrics and checkpoints are the
     same either way; `marsi validate` prints the plan (docs/roles-and-schedules.md, "Optimizer memory")."""
 
+    @field_validator("offload", mode="before")
+    @classmethod
+    def _offload_from_yaml(cls, value: Any) -> Any:
+        """YAML reads a bare `off` as false (and `on` as true, which is `auto`)."""
+        return ("auto" if value else "off") if isinstance(value, bool) else value
+
 
 class ResourcesConfig(_Strict):
     """What one agent's trainer asks of the cluster. `num_gpus` and `num_cpus` are per worker: an agent with

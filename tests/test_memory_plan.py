@@ -50,7 +50,14 @@ def test_simultaneous_frozen_and_off_are_never_released():
     assert plan.calls(0, start=True) == {"a": True} and plan.calls(1) == {"a": False}
 
 
-def test_the_setting_is_checked():
+def test_the_setting_is_checked_and_read_as_yaml_writes_it():
+    raw = yaml.safe_load("agents: {a: {optimizer: {offload: off}}, b: {optimizer: {offload: auto}}}")
+    assert raw["agents"]["a"]["optimizer"]["offload"] is False  # YAML's reading of a bare off
+    full = config(("a", "b"))
+    for name in ("a", "b"):
+        full["agents"][name]["optimizer"].update(raw["agents"][name]["optimizer"])
+    cfg = validate_config(full)
+    assert [cfg.agents[a].optimizer.offload for a in ("a", "b")] == ["off", "auto"]
     raw = config(("a", "b"))
     raw["agents"]["a"]["optimizer"]["offload"] = "sometimes"
     with pytest.raises(ConfigError, match="offload"):
