@@ -245,8 +245,9 @@ def _member_label(config, name: str) -> str:
 def cmd_validate(args) -> int:
     """Everything that can be checked without the weights: config, environment roles and seats, each model's
     context, resources (against the Ray cluster marsi would join, where there is one: custom resources, GPU types,
-    node labels), each agent's dtype as this machine would resolve it; then the schedule and who acts on each
-    turn for the first steps."""
+    node labels), each agent's dtype as this machine would resolve it, the memory plan (whose optimizer state is
+    resident at each step of the schedule's cycle, and the estimated bytes); then the schedule and who acts on
+    each turn for the first steps."""
     from agent_trainer.group import local_resources
     from agent_trainer.models import context_problem, model_config
     from orchestrator.coordinator import Coordinator
