@@ -3,19 +3,20 @@ updates that use it. The schedule's plan (`orchestrator.memory_plan`) says, afte
 at the next one; the others release their state, and an agent about to update fetches its own back in the
 background during the step before, so its update does not wait.
 
-- Released on CPU: written to a file in this trainer's scratch directory (`torch.save`, every tensor bit for
-  bit) and dropped, so the process's resident memory falls (the trainer's process serves blocks of 1 MiB or
-  more by their own mappings, `group.return_freed_memory`; `malloc_trim` returns the smaller ones). The file stays
-  a true copy until the next optimizer step, so a state fetched for a checkpoint and released again is not
-  written twice.
+- Released on CPU: every tensor's bytes written to a scratch file and the tensors dropped, so the process's
+  resident memory falls (the trainer's process serves blocks of 1 MiB or more by their own mappings,
+  `group.return_freed_memory`; `malloc_trim` returns the smaller ones). The file is a temporary file without a
+  name (`tempfile.TemporaryFile`): it goes with the process, however the process ends. Its bytes are written and
+  read by plain `write` / `readinto` calls, which let go of the GIL, so the trainer's own thread goes on
+  meanwhile (`torch.save` / `torch.load` hold it for most of their work). The file stays a true copy until the
+  next optimizer step, so a state fetched for a checkpoint and released again is not written twice.
 - Released on a GPU: copied to pinned CPU memory and dropped from the GPU (its cached blocks emptied); fetched
   back on a side stream.
 - Fetched: `prefetch()` starts a thread that reads the state back; `resident()` (before every update and every
   checkpoint) waits for it, or reads it now when nothing was prefetched, and puts the tensors back into the
   optimizer. Correctness never depends on the plan: an update or a checkpoint always finds the real state.
 - A kill while released or fetching loses nothing a checkpoint holds: checkpoints are written from the resident
-  state, and the scratch file is only a copy of the live one (removed on `close`; a killed process leaves its
-  directory, `marsi-optimizer-*` under the system's temporary directory).
+  state, and the scratch file is only a copy of the live one.
 
 Every change of the optimizer's state (release, install) runs in the caller's thread or in the one background
 thread, strictly one after another; the trainer's own calls (`resident`) first wait for that thread.
@@ -26,16 +27,21 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import shutil
 import tempfile
 import threading
-from pathlib import Path
-from typing import Any
+from typing import IO, Any, NamedTuple
 
 import torch
 
 State = dict[int, dict[str, Any]]
 """Optimizer state by the index of its parameter in the optimizer's parameter groups."""
+
+
+class Stored(NamedTuple):
+    """Where a released CPU tensor is: its shape and dtype; its bytes follow the previous tensor's in the file."""
+
+    shape: torch.Size
+    dtype: torch.dtype
 
 
 class OptimizerOffload:
@@ -46,7 +52,8 @@ class OptimizerOffload:
         self.released = False
         self.wanted = True  # the plan's last word: fetch (True) or release (False)
         self._copy: State | None = None  # GPU: the released state, in pinned CPU memory
-        self._dir: Path | None = None  # CPU: the scratch directory holding `state.pt`
+        self._file: IO[bytes] | None = None  # CPU: the scratch file, its tensors' bytes one after another
+        self._layout: dict[int, dict[str, Any]] = {}  # CPU: the released state, a `Stored` for each tensor
         self._copy_current = False  # the file (or pinned copy) equals the optimizer's state
         self._thread: threading.Thread | None = None
         self._fetched: State | None = None
@@ -100,13 +107,13 @@ class OptimizerOffload:
             raise RuntimeError(f"agent {self.label!r}: releasing or fetching its optimizer state failed: {error}") from error
 
     def close(self) -> None:
-        """Wait for the background work and remove the scratch directory."""
+        """Wait for the background work and close the scratch file (which removes it)."""
         try:
             self.wait()
         finally:
-            if self._dir is not None:
-                shutil.rmtree(self._dir, ignore_errors=True)
-                self._dir = None
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
     # ------------------------------------------------------------------------------------- internals
     def _after_pending(self, work) -> None:
@@ -143,7 +150,7 @@ class OptimizerOffload:
                     self._copy = {i: {k: _pinned(v) for k, v in s.items()} for i, s in state.items()}
                     torch.cuda.current_stream(self.device).synchronize()
             else:
-                torch.save(state, self._file())
+                self._write(state)
             self._copy_current = True
         del state
         self.optimizer.state.clear()
@@ -160,7 +167,7 @@ class OptimizerOffload:
     def _read(self) -> State:
         """The released state, on the optimizer's device."""
         if self.device.type != "cuda":
-            return torch.load(self._file(), weights_only=True)
+            return self._read_file()
         stream = torch.cuda.Stream(self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             state = {i: {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in s.items()}
@@ -180,10 +187,53 @@ class OptimizerOffload:
         if self.device.type == "cuda":  # pinned memory is scarce: released again, the state is copied again
             self._copy, self._copy_current = None, False
 
-    def _file(self) -> Path:
-        if self._dir is None:
-            self._dir = Path(tempfile.mkdtemp(prefix=f"marsi-optimizer-{self.label}-"))
-        return self._dir / "state.pt"
+    def _write(self, state: State) -> None:
+        """The tensors' bytes into the scratch file, in order; their shapes and dtypes into `_layout`."""
+        if self._file is None:
+            self._file = tempfile.TemporaryFile(prefix=f"marsi-optimizer-{self.label}-", buffering=0)
+        self._file.seek(0)
+        self._file.truncate()
+        self._layout = {}
+        for i, s in state.items():
+            self._layout[i] = {}
+            for key, value in s.items():
+                if torch.is_tensor(value):
+                    value = value.detach().contiguous()
+                    _write_all(self._file, _bytes(value))
+                    value = Stored(value.shape, value.dtype)
+                self._layout[i][key] = value
+
+    def _read_file(self) -> State:
+        """The state `_write` wrote, in new tensors."""
+        self._file.seek(0)
+        state: State = {}
+        for i, entry in self._layout.items():
+            state[i] = {}
+            for key, value in entry.items():
+                if isinstance(value, Stored):
+                    tensor = torch.empty(value.shape, dtype=value.dtype)
+                    _read_all(self._file, _bytes(tensor))
+                    value = tensor
+                state[i][key] = value
+        return state
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, shared with it."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_all(file: IO[bytes], data: memoryview) -> None:
+    while len(data):
+        data = data[file.write(data):]
+
+
+def _read_all(file: IO[bytes], data: memoryview) -> None:
+    while len(data):
+        n = file.readinto(data)
+        if not n:
+            raise EOFError("the optimizer's scratch file ended early")
+        data = data[n:]
 
 
 def _pinned(value: Any) -> Any:

@@ -315,7 +315,7 @@ class AgentTrainer:
 
     def close(self) -> None:
         """Release the rollout engine (a vLLM engine holds its own weights and KV cache) and the optimizer's
-        scratch directory."""
+        scratch file."""
         self.engine.close()
         if self.offload is not None:
             self.offload.close()

@@ -68,8 +68,8 @@ class OptimizerConfig(_Strict):
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up updates."""
     offload: Literal["auto", "off"] = "auto"
-    """Where the schedule leaves this agent without an update at the next step, release its AdamW state (to a file
-    in the trainer's scratch directory on CPU, to pinned CPU memory from a GPU) and fetch it back in the background
+    """Where the schedule leaves this agent without an update at the next step, release its AdamW state (to a
+    temporary file on CPU, to pinned CPU memory from a GPU) and fetch it back in the background
     during the step before its next update. `auto`: so wherever the schedule (alternate, round_robin, pattern)
     leaves steps without its update; `off`: the state stays resident. Updates, metrics and checkpoints are the
     same either way; `marsi validate` prints the plan (docs/roles-and-schedules.md, "Optimizer memory")."""

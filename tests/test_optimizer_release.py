@@ -4,6 +4,7 @@ memory falls, and a run's metrics and checkpoints are those of a run that never 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -74,9 +75,11 @@ def test_released_then_fetched_state_is_bit_identical_and_the_next_update_the_sa
     assert kept.parameters_digest() == released.parameters_digest()
     for key, value in state_tensors(kept.optimizer).items():
         assert torch.equal(value, state_tensors(released.optimizer)[key]), key
-    directory = released.offload._dir
+    scratch = released.offload._file
+    assert scratch is not None and os.fstat(scratch.fileno()).st_nlink == 0  # no name: it goes with the process
     released.close()
-    assert directory is not None and not directory.exists()
+    assert scratch.closed
+    kept.close()
 
 
 def test_a_checkpoint_taken_while_released_holds_the_real_state(tmp_path):
