@@ -176,3 +176,21 @@ def test_released_to_pinned_memory_and_fetched_to_the_gpu_bit_for_bit():
     for key, value in state_tensors(optimizer).items():
         assert value.device == before[key].device and torch.equal(value, before[key]), key
     offload.close()
+
+
+def test_adapter_agents_of_one_host_release_their_own_state(tmp_path):
+    """Each adapter agent's optimizer holds its adapter's state only, released on its own: a and b of one shared
+    host take turns (c frozen), with the same metrics as with every state kept."""
+    from tests.test_adapters import shared_host_config
+
+    for offload in ("auto", "off"):
+        raw = shared_host_config(train={"steps": 3})
+        for agent in raw["agents"].values():
+            agent["optimizer"]["offload"] = offload
+        with Coordinator(validate_config(raw), tmp_path / offload) as coord:
+            coord.run()
+            trainers = coord.pool.trainers
+            if offload == "auto":  # after step 3 (a's), b's turn next
+                assert (trainers["a"].offload.released, trainers["b"].offload.released) == (True, False)
+                assert trainers["c"].offload is None
+    assert without_times(rows(tmp_path / "auto")) == without_times(rows(tmp_path / "off"))
