@@ -104,7 +104,8 @@ class OptimizerOffload:
             self._thread = None
         error, self._error = self._error, None
         if error is not None:
-            raise RuntimeError(f"agent {self.label!r}: releasing or fetching its optimizer state failed: {error}") from error
+            raise RuntimeError(f"agent {self.label!r}: releasing or fetching its optimizer state failed: "
+                               f"{error}") from error
 
     def close(self) -> None:
         """Wait for the background work and close the scratch file (which removes it)."""

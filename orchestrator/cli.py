@@ -250,6 +250,7 @@ def cmd_validate(args) -> int:
     each turn for the first steps."""
     from agent_trainer.group import local_resources
     from agent_trainer.models import context_problem, model_config
+    from orchestrator import memory_plan
     from orchestrator.coordinator import Coordinator
     from orchestrator.preflight import check_cluster, checked_trial, storage_place_problem
     from orchestrator.schedule import RoleAssignment, Schedule
@@ -304,7 +305,7 @@ def cmd_validate(args) -> int:
               f"{', '.join(apart) or 'none'}")
     if coordinator.lag_note:
         print(f"rollouts: {coordinator.lag_note}")
-    _print_memory_plan(config, schedule, coordinator.lag)
+    print("\n".join(memory_plan.plan_lines(config, schedule, coordinator.lag)))
     tries = {role: f" x{k}" for role, k in coordinator.attempts.items()}
     marks = ", xK the roles that answer each prompt K times" if tries else ""
     print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "
@@ -317,16 +318,6 @@ def cmd_validate(args) -> int:
                 for r, a in assignment(episode, t).items()) for t in range(env.max_turns))
             print(f"  episode {episode + 1}: {turns}")
     return 0
-
-
-def _print_memory_plan(config, schedule, lag: int) -> None:
-    """Per host and step of the schedule's cycle: whose optimizer state is resident, and the estimated bytes."""
-    from agent_trainer.models import parameter_counts
-    from orchestrator.memory_plan import estimate, plan_table
-
-    counts = {name: parameter_counts(agent) for name, agent in config.agents.items()}
-    sizes, base = estimate(config, counts)
-    print("\n".join(plan_table(config, schedule, lag, sizes, base)))
 
 
 def _print_precision(config, joins: str | None) -> None:

@@ -132,6 +132,15 @@ def plan_table(config: RunConfig, schedule: Schedule, lag: int, sizes: dict[str,
     return lines
 
 
+def plan_lines(config: RunConfig, schedule: Schedule, lag: int) -> list[str]:
+    """`plan_table` with each agent's model's parameters counted (agent_trainer.models.parameter_counts: torch,
+    no weights)."""
+    from agent_trainer.models import parameter_counts
+
+    sizes, base = estimate(config, {name: parameter_counts(agent) for name, agent in config.agents.items()})
+    return plan_table(config, schedule, lag, sizes, base)
+
+
 def _at(plan: MemoryPlan, schedule: Schedule, sizes: dict[str, AgentBytes], agent: str, step: int) -> int:
     """Agent `agent`'s bytes at `step`'s peak under the plan (a frozen agent's optimizer and gradients are 0)."""
     b = sizes[agent]

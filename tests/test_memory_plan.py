@@ -75,7 +75,8 @@ def test_the_table_of_a_round_robin_run():
     assert lines[2].split() == ["a", "4.0M", "4.0M", "8.0M", "0", "U", "16.0M", "-", "4.0M"]
     assert lines[3].split() == ["b", "4.0M", "4.0M", "8.0M", "0", "-", "4.0M", "U", "16.0M"]
     assert lines[4].split() == ["c", "4.0M", "0", "0", "0", "F", "4.0M", "F", "4.0M"]
-    assert lines[5].strip() == "all hosts: peak 24.0M with this plan, 36.0M with every optimizer resident and every gradient held"
+    assert lines[5].strip() == ("all hosts: peak 24.0M with this plan, 36.0M with every optimizer resident and "
+                                "every gradient held")
 
 
 def test_validate_prints_the_plan(tmp_path):
