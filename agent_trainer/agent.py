@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from agent_trainer import storage
 from agent_trainer.dispatch import Dispatch, Publish, Timeout, check_registered, register
 from protocols.messages import (
-    GenerateRequest, GenerateResult, LoadRequest, ProbeRequest, SaveRequest, ScoreRequest, StoredFiles, UpdateRequest,
-    UpdateResult, WeightDigests,
+    GenerateRequest, GenerateResult, LoadRequest, OptimizerRequest, ProbeRequest, SaveRequest, ScoreRequest, StoredFiles,
+    UpdateRequest, UpdateResult, WeightDigests,
 )
 
 if TYPE_CHECKING:
@@ -71,6 +71,12 @@ class Agent(Served):
     def update(self, request: UpdateRequest) -> UpdateResult:
         with self._trainer.selected(updating=True):
             return self._trainer.update(request)
+
+    @register(Dispatch.ALL_EQUAL)
+    def hold_optimizer(self, request: OptimizerRequest) -> None:
+        """Release the optimizer state, or fetch it back in the background (`orchestrator.memory_plan`); every
+        worker holds its own."""
+        self._trainer.hold_optimizer(request.keep)
 
     @register(Dispatch.RANK_ZERO)
     def weight_digests(self) -> WeightDigests:

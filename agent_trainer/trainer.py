@@ -62,6 +62,7 @@ from transformers import AutoModelForCausalLM
 
 from agent_trainer import attention, losses, precision, rng, sampling, shared_prompts
 from agent_trainer.guarded_step import GuardedSteps
+from agent_trainer.optimizer_offload import OptimizerOffload
 from agent_trainer.engine_kinds import make_engine
 from agent_trainer.engines import left_pad, model_logps
 from agent_trainer.models import (
@@ -114,7 +115,10 @@ class AgentTrainer:
                                   stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id, device=self.device,
                                   seed=seed, autocast=self._autocast, kv_cache_sequences=kv_cache_sequences)
         self.load_seconds = time.perf_counter() - loading  # the model, its tokenizer and its rollout engine
-        self.ref_model = self.optimizer = None
+        # a frozen agent builds no optimizer and runs no backward pass, so it holds no gradient either. Its parameters
+        # keep requires_grad: without it torch's matmul splits its products otherwise, and a frozen copy (a rollout
+        # engine of its own, `rollout.placement: separate`) would sample unlike its learner by rounding
+        self.ref_model = self.optimizer = self.offload = None
         if trainable:
             if algorithm.beta > 0:
                 self.ref_model = self._reference_model()
@@ -216,6 +220,7 @@ class AgentTrainer:
         first, last = self.parallel.rows(len(experiences))
         experiences = experiences[first:last]  # this worker's share; the normalisers above stay the whole batch's
         lr = self.agent.optimizer.lr * self._lr_factor(self.policy_version)
+        self.offload.resident()  # fetched in the background when the schedule's plan saw this update coming
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         tis_cap = self.agent.rollout.tis_cap
@@ -272,6 +277,7 @@ class AgentTrainer:
             steps.step(self.optimizer, self.model.parameters(), max_grad_norm=self.agent.optimizer.max_grad_norm,
                        finite=finite, scaler=self.scaler)
         self.optimizer.zero_grad(set_to_none=True)
+        self.offload.changed()
         self.policy_version += 1
         self.parallel.reduce_stats(stats, maxima=("gap_max",))  # the whole batch's sums
         n = alg.num_iterations
@@ -304,9 +310,18 @@ class AgentTrainer:
         with self._autocast():
             return model_logps(self.model, prompts, completions, self.device)
 
+    def hold_optimizer(self, keep: bool) -> None:
+        """The schedule's plan (`orchestrator.memory_plan`): `keep` False releases the optimizer state, True fetches
+        a released one back in the background (`agent_trainer.optimizer_offload`); a frozen agent has none."""
+        if self.offload is not None:
+            self.offload.prefetch() if keep else self.offload.release()
+
     def close(self) -> None:
-        """Release the rollout engine (a vLLM engine holds its own weights and KV cache)."""
+        """Release the rollout engine (a vLLM engine holds its own weights and KV cache) and the optimizer's
+        scratch file."""
         self.engine.close()
+        if self.offload is not None:
+            self.offload.close()
 
     # ---------------------------------------------------------------------------------- save/load
     def save(self, path: str | Path) -> CheckpointInfo:
@@ -336,12 +351,14 @@ class AgentTrainer:
         return self.policy_version == 0 and not self.from_checkpoint
 
     def save_training_state(self, path: Path) -> None:
-        """Optimizer, loss scale, update count and RNGs: `path/trainer_state.pt` (every host kind writes it)."""
-        torch.save({
-            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-            "scaler": self.scaler.state_dict() if self.optimizer else None, "policy_version": self.policy_version,
-            "rng": rng.capture(),
-        }, path / "trainer_state.pt")
+        """Optimizer, loss scale, update count and RNGs: `path/trainer_state.pt` (every host kind writes it). A
+        released optimizer state is fetched for it and released again (its copy is still current)."""
+        with self.offload.held() if self.offload is not None else contextlib.nullcontext():
+            torch.save({
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "scaler": self.scaler.state_dict() if self.optimizer else None, "policy_version": self.policy_version,
+                "rng": rng.capture(),
+            }, path / "trainer_state.pt")
 
     def load_training_state(self, path: Path) -> None:
         """What `save_training_state` wrote; a fresh optimizer where it was saved while frozen."""
@@ -422,6 +439,8 @@ class AgentTrainer:
 
     # ------------------------------------------------------------------------------------ internals
     def _make_optimizer(self) -> None:
+        if self.offload is not None:  # a restored state replaces the released one
+            self.offload.close()
         opt = self.agent.optimizer
         params = self._trainable_parameters()
         self.optimizer = torch.optim.AdamW(
@@ -429,6 +448,7 @@ class AgentTrainer:
             weight_decay=opt.weight_decay, fused=True,  # fused kernels on CPU and GPU: ~5x faster steps on CPU
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.compute_dtype == torch.float16)
+        self.offload = OptimizerOffload(self.optimizer, device=self.device, label=self.name)
 
     def _lr_factor(self, step: int) -> float:
         """Multiplier of the base learning rate at update `step` (0-based) of `total_updates`."""

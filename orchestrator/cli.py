@@ -249,10 +249,12 @@ def _member_label(config, name: str) -> str:
 def cmd_validate(args) -> int:
     """Everything that can be checked without the weights: config, environment roles and seats, each model's
     context, resources (against the Ray cluster marsi would join, where there is one: custom resources, GPU types,
-    node labels), each agent's dtype as this machine would resolve it; then the schedule and who acts on each
-    turn for the first steps."""
+    node labels), each agent's dtype as this machine would resolve it, the memory plan (whose optimizer state is
+    resident at each step of the schedule's cycle, and the estimated bytes); then the schedule and who acts on
+    each turn for the first steps."""
     from agent_trainer.group import local_resources
     from agent_trainer.models import context_problem, model_config
+    from orchestrator import memory_plan
     from orchestrator.coordinator import Coordinator
     from orchestrator.preflight import check_cluster, checked_trial, storage_place_problem
     from orchestrator.schedule import RoleAssignment, Schedule
@@ -307,6 +309,7 @@ def cmd_validate(args) -> int:
               f"{', '.join(apart) or 'none'}")
     if coordinator.lag_note:
         print(f"rollouts: {coordinator.lag_note}")
+    print("\n".join(memory_plan.plan_lines(config, schedule, coordinator.lag)))
     tries = {role: f" x{k}" for role, k in coordinator.attempts.items()}
     marks = ", xK the roles that answer each prompt K times" if tries else ""
     print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "

@@ -25,6 +25,7 @@ from orchestrator.console import say
 from orchestrator.credit import CriticCredit
 from orchestrator.data import load_samples
 from orchestrator.evaluation import EvalResult, Evaluation, partner_agents, partner_seats
+from orchestrator.memory_plan import MemoryPlan
 from orchestrator.preflight import check_environment
 from orchestrator.resume import check_resume
 from orchestrator.runlog import RunLog
@@ -84,6 +85,7 @@ class Coordinator:
         self.session = Session(config, self.plan, self.schedule, self.members, self.partners, self.sits_in_for,
                                self.log, resuming=resume, take_over=take_over)
         self.checkpoints = Checkpoints(config, self.session, self.schedule, self.members, self.lag, self.max_turns)
+        self.memory = MemoryPlan(config, self.schedule, self.lag)  # whose optimizer state is resident when
         self.stop_requested = False
         self.seconds: dict[str, float] = defaultdict(float)  # this step's time in the primitives, by kind
         self._warned: set[tuple[str, str]] = set()

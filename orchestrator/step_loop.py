@@ -11,6 +11,7 @@ from agent_trainer.handle import TrainerFailure
 from orchestrator.checkpoints import Checkpoints
 from orchestrator.console import phase, progress
 from orchestrator.evaluation import Evaluation
+from orchestrator.memory_plan import MemoryPlan
 from orchestrator.pipeline import AsyncRollouts, SyncRollouts
 from orchestrator.rollout import Episode
 from orchestrator.rollout_source import RolloutSource
@@ -28,6 +29,7 @@ class Primitives(RolloutSource, Protocol):
     log: RunLog | None
     evaluation: Evaluation | None
     checkpoints: Checkpoints
+    memory: MemoryPlan
     lag: int
     lag_note: str | None
     seconds: dict[str, float]
@@ -72,6 +74,7 @@ class StepLoop:
                     self.failed_at = time.perf_counter()
                     rollouts.close()
                     coord.recover(failure)  # back to the last checkpoint; its later steps are replayed
+                    coord.checkpoints.with_recovery(lambda: coord.memory.prepare(coord.pool, coord.state.step, start=True))
                     rollouts = self.rollouts()
                     history = [m for m in history if m["step"] <= coord.state.step]
                     bar.reset(self.until)
@@ -103,6 +106,7 @@ class StepLoop:
         rollouts.updating(step, training)
         results = coord.train({a: usable[a] for a in training})
         state.versions.update({a: r.policy_version for a, r in results.items()})
+        coord.memory.prepare(coord.pool, step + 1)  # optimizer state: released until its next update, fetched before
         rollouts.updated(step, training)
         critic_results = coord.train_critics(value_targets)
         state.step += 1
@@ -140,6 +144,7 @@ class StepLoop:
                   time.perf_counter() - began)
         if coord.lag_note:
             coord.warn_once("rollouts", "lag", coord.lag_note)
+        coord.checkpoints.with_recovery(lambda: coord.memory.prepare(coord.pool, coord.state.step, start=True))
 
     def evaluated(self) -> bool:
         """Whether the run's records already hold an evaluation of the current step."""

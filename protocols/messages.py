@@ -124,6 +124,12 @@ class UpdateRequest(_Message):
     experiences: list[Experience]
 
 
+class OptimizerRequest(_Message):
+    keep: bool
+    """True: the agent updates soon, have its optimizer state resident (fetched in the background if released);
+    False: release it until then (`orchestrator.memory_plan`)."""
+
+
 class UpdateResult(_Message):
     agent: str
     policy_version: int

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from protocols.config.base import _Strict
 from protocols.config.cluster import ResourcesConfig
@@ -43,6 +43,18 @@ class OptimizerConfig(_Strict):
     """Learning-rate decay after warm-up, over the agent's scheduled updates."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up updates."""
+    offload: Literal["auto", "off"] = "auto"
+    """Where the schedule leaves this agent without an update at the next step, release its AdamW state (to a
+    temporary file on CPU, to pinned CPU memory from a GPU) and fetch it back in the background
+    during the step before its next update. `auto`: so wherever the schedule (alternate, round_robin, pattern)
+    leaves steps without its update; `off`: the state stays resident. Updates, metrics and checkpoints are the
+    same either way; `marsi validate` prints the plan (docs/roles-and-schedules.md, "Optimizer memory")."""
+
+    @field_validator("offload", mode="before")
+    @classmethod
+    def _offload_from_yaml(cls, value: Any) -> Any:
+        """YAML reads a bare `off` as false (and `on` as true, which is `auto`)."""
+        return ("auto" if value else "off") if isinstance(value, bool) else value
 
 
 class AdapterConfig(_Strict):
