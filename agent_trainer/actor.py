@@ -150,7 +150,7 @@ class _TrainerActor:
         started = time.perf_counter()
         import torch
 
-        from agent_trainer.group import return_freed_memory
+        from agent_trainer.heap import return_freed_memory
         from agent_trainer.hosts import Host
 
         return_freed_memory()

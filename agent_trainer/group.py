@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from agent_trainer.dispatch import declaration_of
 from agent_trainer.handle import TrainerFailure, TrainerPool
+from agent_trainer.heap import return_freed_memory
 from protocols.config import RunConfig, label_matches
 from protocols.errors import describe
 from protocols.plan import RunPlan
@@ -132,25 +133,6 @@ def visible_gpus() -> int:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     gpus = Path("/proc/driver/nvidia/gpus")
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
-
-
-def return_freed_memory() -> bool:
-    """Have this process's allocator (glibc) serve every block of 1 MiB or more by its own mapping, given back
-    to the system when freed. By default glibc raises that threshold as large blocks are freed, after which
-    the activations and gradients each update frees stay in the heap: a SmolLM2 trainer then held 3.1 GB
-    after two updates instead of 2.2 GB. Called in every process that holds trainers; False without glibc."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        return bool(libc and libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20))
-    except (OSError, AttributeError):
-        return False
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 def num_threads(num_cpus: float) -> int:

@@ -5,7 +5,7 @@ background during the step before, so its update does not wait.
 
 - Released on CPU: every tensor's bytes written to a scratch file and the tensors dropped, so the process's
   resident memory falls (the trainer's process serves blocks of 1 MiB or more by their own mappings,
-  `group.return_freed_memory`; `malloc_trim` returns the smaller ones). The file is a temporary file without a
+  `heap.return_freed_memory`; `heap.trim` returns the smaller ones). The file is a temporary file without a
   name (`tempfile.TemporaryFile`): it goes with the process, however the process ends. Its bytes are written and
   read by plain `write` / `readinto` calls, which let go of the GIL, so the trainer's own thread goes on
   meanwhile (`torch.save` / `torch.load` hold it for most of their work). The file stays a true copy until the
@@ -25,13 +25,13 @@ thread, strictly one after another; the trainer's own calls (`resident`) first w
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import tempfile
 import threading
 from typing import IO, Any, NamedTuple
 
 import torch
+
+from agent_trainer import heap
 
 State = dict[int, dict[str, Any]]
 """Optimizer state by the index of its parameter in the optimizer's parameter groups."""
@@ -159,7 +159,7 @@ class OptimizerOffload:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         else:
-            _trim()
+            heap.trim()
 
     def _read_ahead(self) -> None:
         if self.released and self._fetched is None:
@@ -243,14 +243,3 @@ def _pinned(value: Any) -> Any:
         return value
     copy = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=True)
     return copy.copy_(value, non_blocking=True)
-
-
-def _trim() -> None:
-    """Give the allocator's free heap pages back to the system (glibc); nothing elsewhere."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None:
-            libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

@@ -1,5 +1,5 @@
 """Resident memory of one AgentTrainer over generate + update rounds, with and without returning freed memory
-to the system (`agent_trainer.group.return_freed_memory`, which every trainer process calls), side by side.
+to the system (`agent_trainer.heap.return_freed_memory`, which every trainer process calls), side by side.
 
     python benchmarks/trainer_memory.py [--model builtin:smollm2-135m-instruct] [--rounds 3] [--batch 8]
                                         [--tokens 32] [--prompt-tokens 40]
@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def child(args) -> dict:
     if args.child == "returned":
-        from agent_trainer.group import return_freed_memory
+        from agent_trainer.heap import return_freed_memory
 
         assert return_freed_memory()
     import torch

@@ -178,7 +178,7 @@ def test_trainer_processes_give_freed_tensors_back_to_the_system():
     code = """if 1:
         import os, sys
         if sys.argv[1] == "on":
-            from agent_trainer.group import return_freed_memory
+            from agent_trainer.heap import return_freed_memory
             assert return_freed_memory()
         import torch
         def rss_mb():
