@@ -15,6 +15,8 @@ background during the step before, so its update does not wait.
 - Fetched: `prefetch()` starts a thread that reads the state back; `resident()` (before every update and every
   checkpoint) waits for it, or reads it now when nothing was prefetched, and puts the tensors back into the
   optimizer. Correctness never depends on the plan: an update or a checkpoint always finds the real state.
+- A scratch file that cannot be written (a full disk, an unwritable temporary directory) keeps the state
+  resident, said once on stderr: the release saves memory, it is never needed for the run to go on.
 - A kill while released or fetching loses nothing a checkpoint holds: checkpoints are written from the resident
   state, and the scratch file is only a copy of the live one.
 
@@ -25,6 +27,7 @@ thread, strictly one after another; the trainer's own calls (`resident`) first w
 from __future__ import annotations
 
 import contextlib
+import sys
 import tempfile
 import threading
 from typing import IO, Any, NamedTuple
@@ -58,6 +61,7 @@ class OptimizerOffload:
         self._thread: threading.Thread | None = None
         self._fetched: State | None = None
         self._error: BaseException | None = None
+        self.unwritable: str | None = None  # why the scratch file could not be written, once it could not
 
     # --------------------------------------------------------------------------------- the plan's calls
     def release(self) -> None:
@@ -141,6 +145,8 @@ class OptimizerOffload:
         if self.released:
             self._fetched = None  # a fetch the plan no longer wants
             return
+        if self.unwritable is not None:
+            return
         params = self._params()
         state: State = {i: self.optimizer.state[p] for i, p in enumerate(params) if p in self.optimizer.state}
         if not state:  # no step yet: nothing to release
@@ -151,7 +157,11 @@ class OptimizerOffload:
                     self._copy = {i: {k: _pinned(v) for k, v in s.items()} for i, s in state.items()}
                     torch.cuda.current_stream(self.device).synchronize()
             else:
-                self._write(state)
+                try:
+                    self._write(state)
+                except OSError as exc:  # the state is untouched: it stays where it is
+                    self._unwritable(exc)
+                    return
             self._copy_current = True
         del state
         self.optimizer.state.clear()
@@ -160,6 +170,17 @@ class OptimizerOffload:
             torch.cuda.empty_cache()
         else:
             heap.trim()
+
+    def _unwritable(self, exc: OSError) -> None:
+        """The scratch file could not take the state: emptied, and the state kept resident from now on."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.truncate(0)
+        if self.unwritable is None:
+            print(f"marsi: agent {self.label!r}: its optimizer state stays in memory between updates: the scratch file "
+                  f"could not be written ({exc.strerror or exc}); free space in {tempfile.gettempdir()} or set "
+                  f"agents.{self.label}.optimizer.offload: off", file=sys.stderr, flush=True)
+        self.unwritable = str(exc)
 
     def _read_ahead(self) -> None:
         if self.released and self._fetched is None:

@@ -194,3 +194,36 @@ def test_adapter_agents_of_one_host_release_their_own_state(tmp_path):
                 assert (trainers["a"].offload.released, trainers["b"].offload.released) == (True, False)
                 assert trainers["c"].offload is None
     assert without_times(rows(tmp_path / "auto")) == without_times(rows(tmp_path / "off"))
+
+
+def test_a_scratch_file_that_cannot_be_written_keeps_the_state_resident(monkeypatch, capsys):
+    """A full disk under the temporary directory: the release is refused with one line on stderr, the state stays
+    in memory as it was, updates go on as if nothing were released, and the next release is not tried."""
+    import errno
+
+    import agent_trainer.optimizer_offload as offload_module
+
+    kept, full = make_trainer(), make_trainer()
+    for trainer in (kept, full):
+        update_once(trainer)
+    before = state_tensors(full.optimizer)
+
+    def no_space(file, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(offload_module, "_write_all", no_space)
+    full.hold_optimizer(False)
+    full.offload.wait()  # raises nothing: the run goes on
+    assert not full.offload.released and "No space left" in full.offload.unwritable
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "agent 'a': its optimizer state stays in memory" in err and "offload: off" in err
+    for key, value in state_tensors(full.optimizer).items():
+        assert torch.equal(value, before[key]), key
+    full.hold_optimizer(False)  # not tried again, not said again
+    full.offload.wait()
+    assert not full.offload.released and capsys.readouterr().err == ""
+    for trainer in (kept, full):
+        update_once(trainer, seed=2)
+    assert kept.parameters_digest() == full.parameters_digest()
+    kept.close()
+    full.close()
