@@ -309,7 +309,7 @@ def cmd_validate(args) -> int:
               f"{', '.join(apart) or 'none'}")
     if coordinator.lag_note:
         print(f"rollouts: {coordinator.lag_note}")
-    print("\n".join(memory_plan.plan_lines(config, schedule, coordinator.lag)))
+    print("\n".join(memory_plan.plan_lines(config, coordinator.plan.host_layout, coordinator.memory)))
     tries = {role: f" x{k}" for role, k in coordinator.attempts.items()}
     marks = ", xK the roles that answer each prompt K times" if tries else ""
     print("steps count from 1, as in metrics.jsonl; turns of a trial episode on the first sample "

@@ -24,7 +24,6 @@ from agent_trainer.handle import TrainerPool
 from orchestrator.schedule import Schedule
 from protocols.config import RunConfig
 from protocols.messages import OptimizerRequest
-from protocols.plan import plan_of
 
 
 class MemoryPlan:
@@ -93,20 +92,20 @@ def estimate(config: RunConfig, counts: dict[str, tuple[int, int]]) -> tuple[dic
     return sizes, base
 
 
-def plan_table(config: RunConfig, schedule: Schedule, lag: int, sizes: dict[str, AgentBytes],
+def plan_table(config: RunConfig, layout: dict[str, list[str]], plan: MemoryPlan, sizes: dict[str, AgentBytes],
                base: dict[str, int], *, columns: int = 8) -> list[str]:
     """The lines `marsi validate` prints: per host and per step of the schedule's cycle (at most `columns`), each
     agent's optimizer state (U updates, R resident, - released, F frozen) and the host's estimated bytes at that
-    step's peak (weights, the engine's copy, resident optimizer state, gradients during an update); `base`: the
-    bytes of each adapter host's shared base."""
-    plan = MemoryPlan(config, schedule, lag)
+    step's peak (weights, the engine's copy, resident optimizer state, gradients during an update); `layout`: host
+    -> its agents (`RunPlan.host_layout`); `base`: the bytes of each adapter host's shared base."""
+    schedule = plan.schedule
     steps = range(min(schedule.cycle, columns))
     more = f" (first {len(steps)} of {schedule.cycle})" if schedule.cycle > len(steps) else ""
     lines = [f"memory plan, estimated per host at each step of the schedule's {schedule.cycle}-step cycle{more}: "
              "optimizer state U updates, R resident, - released, F frozen (agents.NAME.optimizer.offload)"]
     header = ["host (agents)", "weights", "grads", "optimizer", "engine", *(f"step {s + 1}" for s in steps)]
     rows = []
-    for host, agents in plan_of(config).host_layout.items():
+    for host, agents in layout.items():
         cells = []
         for s in steps:
             kept, training = plan.kept(s), set(schedule.training_agents(s))
@@ -127,13 +126,13 @@ def plan_table(config: RunConfig, schedule: Schedule, lag: int, sizes: dict[str,
     return lines
 
 
-def plan_lines(config: RunConfig, schedule: Schedule, lag: int) -> list[str]:
+def plan_lines(config: RunConfig, layout: dict[str, list[str]], plan: MemoryPlan) -> list[str]:
     """`plan_table` with each agent's model's parameters counted (agent_trainer.model_size.parameter_counts: torch,
     no weights)."""
     from agent_trainer.model_size import parameter_counts
 
     sizes, base = estimate(config, {name: parameter_counts(agent) for name, agent in config.agents.items()})
-    return plan_table(config, schedule, lag, sizes, base)
+    return plan_table(config, layout, plan, sizes, base)
 
 
 def _at(plan: MemoryPlan, schedule: Schedule, sizes: dict[str, AgentBytes], agent: str, step: int) -> int:

@@ -65,11 +65,11 @@ def test_the_setting_is_checked_and_read_as_yaml_writes_it():
 
 
 def test_the_table_of_a_round_robin_run():
-    cfg, sched, _ = plan_of({"kind": "round_robin", "order": ["a", "b"], "frozen": ["c"]})
+    cfg, _, memory = plan_of({"kind": "round_robin", "order": ["a", "b"], "frozen": ["c"]})
     sizes, base = estimate(cfg, {a: (1 << 20, 1 << 20) for a in cfg.agents})
     assert sizes["a"] == AgentBytes(weights=4 << 20, gradients=4 << 20, optimizer=8 << 20, engine=0)
     assert sizes["c"] == AgentBytes(weights=4 << 20, gradients=0, optimizer=0, engine=0)
-    lines = plan_table(cfg, sched, 0, sizes, base)
+    lines = plan_table(cfg, {a: [a] for a in cfg.agents}, memory, sizes, base)
     assert "2-step cycle" in lines[0]
     assert lines[1].split() == ["host", "(agents)", "weights", "grads", "optimizer", "engine", "step", "1", "step", "2"]
     assert lines[2].split() == ["a", "4.0M", "4.0M", "8.0M", "0", "U", "16.0M", "-", "4.0M"]
