@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from agent_trainer import storage
+from agent_trainer import process_memory, storage
 from agent_trainer.dispatch import Dispatch, Publish, Timeout, check_registered, register
 from protocols.messages import (
-    GenerateRequest, GenerateResult, LoadRequest, OptimizerRequest, ProbeRequest, SaveRequest, ScoreRequest, StoredFiles,
-    UpdateRequest, UpdateResult, WeightDigests,
+    GenerateRequest, GenerateResult, LoadRequest, MemoryReading, OptimizerRequest, ProbeRequest, SaveRequest,
+    ScoreRequest, StoredFiles, UpdateRequest, UpdateResult, WeightDigests,
 )
 
 if TYPE_CHECKING:
@@ -54,6 +54,12 @@ class Served:
         """SHA-256 of the weights the agent computes with."""
         with self._trainer.selected():
             return self._trainer.parameters_digest()
+
+    @register(Dispatch.ROWS)
+    def memory(self, step: int) -> MemoryReading:
+        """The peak memory of the member's processes during `step` (since the reading before): every worker
+        answers its own process's share, and the shares add up (`agent_trainer.process_memory`)."""
+        return process_memory.reading(step)
 
 
 @check_registered

@@ -19,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import bench_common as bc  # noqa: E402  (this script's folder is first on sys.path)
 from orchestrator.coordinator import Coordinator  # noqa: E402
+from orchestrator.steplog import computed  # noqa: E402
 from protocols.config import load_config  # noqa: E402
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo" / "config.yaml"
@@ -54,8 +55,7 @@ def main() -> None:
 
     with Coordinator(config) as coord:
         whole = coord.run()
-    same = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in interrupted[-len(whole):]] == \
-           [{k: v for k, v in m.items() if not k.startswith("time/")} for m in whole]
+    same = [computed(m) for m in interrupted[-len(whole):]] == [computed(m) for m in whole]
     print(f"final metrics equal to an uninterrupted run: {same}")
 
 

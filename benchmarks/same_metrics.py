@@ -125,7 +125,7 @@ def main() -> int:
             (args.out / "commit").write_text(commit + "\n")
             return 0
         failed = 0
-        ignore = ["time/", *args.ignore]
+        ignore = ["time/", "memory/", *args.ignore]  # measured, not computed (orchestrator.steplog.MEASURED)
         for name in args.runs:
             ref_file = args.ref / f"{name}.jsonl"
             if not ref_file.is_file():

@@ -49,6 +49,8 @@ AGENT_METRICS = [  # (key prefix, title, lower bound, upper bound, only at the s
     ("groups/zero_variance/", "share of groups with equal returns (no gradient) per agent", 0.0, 1.0, False),
     ("completion_length/", "completion length per agent (tokens)", 0.0, None, False),
     ("loss/", "loss per agent", None, None, True),
+    ("memory/peak_mib/", "peak resident memory per process (MiB; members sharing one joined by +)", 0.0, None, False),
+    ("memory/device_peak_mib/", "peak GPU memory per process (MiB)", 0.0, None, False),
 ]
 _EPISODE_KEYS = ("invalid_rate", "turns/mean")
 

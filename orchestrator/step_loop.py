@@ -17,7 +17,7 @@ from orchestrator.rollout import Episode
 from orchestrator.rollout_source import RolloutSource
 from orchestrator.runlog import RunDirError, RunLog
 from orchestrator.schedule import Schedule
-from orchestrator.steplog import critic_metrics, show_step, step_metrics, zero_variance_metrics
+from orchestrator.steplog import critic_metrics, show_step, step_memory, step_metrics, zero_variance_metrics
 from protocols.messages import CriticUpdateResult, Experience, UpdateResult, ValueTarget
 
 
@@ -30,6 +30,7 @@ class Primitives(RolloutSource, Protocol):
     evaluation: Evaluation | None
     checkpoints: Checkpoints
     memory: MemoryPlan
+    members: list[str]
     lag: int
     lag_note: str | None
     seconds: dict[str, float]
@@ -109,10 +110,12 @@ class StepLoop:
         coord.memory.prepare(coord.pool, step + 1)  # optimizer state: released until its next update, fetched before
         rollouts.updated(step, training)
         critic_results = coord.train_critics(value_targets)
+        memory = step_memory(coord.pool, coord.members, step)  # each process's peak memory in this step
         state.step += 1
         # log
         metrics = step_metrics(state.step, episodes, results, coord.seconds, time.perf_counter() - start)
         metrics.update(critic_metrics(critic_results, coord.seconds))
+        metrics.update(memory)
         metrics.update(staleness)
         metrics.update(rollouts.metrics((start, time.perf_counter())))
         metrics["data/epoch"] = position.epoch + position.index / len(coord.samples)

@@ -10,6 +10,9 @@ episodes are kept whole as transcripts (the episodes `marsi report` browses), an
 - `zero_variance_metrics(episodes, algorithm)`: `groups/zero_variance/AGENT`, the share of an agent's groups whose
   returns are all equal (no gradient under group baselines);
 - `critic_metrics(results, seconds)`: per critic its value loss, clip fraction, explained variance, grad norm;
+- `step_memory(pool, members, step)`: `memory/peak_mib/AGENT`, the peak resident memory of each agent's
+  processes during the step (agents and critics that share a process as one key, `memory/peak_mib/a+b`), and
+  `memory/device_peak_mib/AGENT` on a GPU (`memory_metrics` of the readings);
 - `spread(episodes, n)`: the n episodes kept as transcripts, spread over the step's samples (one of each sample's
   group in turn), not the first sample's group alone;
 - `loop_episode(...)`: an `Episode` made of a custom loop's own turns, which every helper here takes;
@@ -25,10 +28,23 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from agent_trainer.agent import Served
+from agent_trainer.handle import TrainerPool
 from orchestrator.advantages import zero_variance_shares
 from orchestrator.rollout import Episode, RecordedRoles, Turn
 from protocols.config import AlgorithmConfig
-from protocols.messages import CriticUpdateResult, UpdateResult
+from protocols.messages import CriticUpdateResult, MemoryReading, UpdateResult
+
+MEASURED = ("time/", "memory/")
+"""Prefixes of the keys a step measures (seconds, memory) rather than computes: two identical runs differ in these
+alone (`computed`)."""
+
+
+def computed(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` without its measured keys (`MEASURED`): what a rerun, a resumed run or a run on another engine with
+    the same seeds must repeat exactly."""
+    return {k: v for k, v in row.items() if not k.startswith(MEASURED)}
+
 
 UPDATE_FIELDS = ("loss", "kl", "grad_norm", "entropy", "clip_fraction", "lr", "skipped_steps")
 """What `update_metrics` logs of each agent's `UpdateResult`, as `NAME/AGENT`, before the optional figures."""
@@ -94,6 +110,27 @@ def critic_metrics(results: dict[str, CriticUpdateResult], seconds: dict[str, fl
             metrics[f"critic/{name}/{critic}"] = getattr(r, name)
     if results:
         metrics["time/critic"] = seconds.get("critic", 0.0)
+    return metrics
+
+
+def step_memory(pool: TrainerPool, members: list[str], step: int) -> dict[str, float]:
+    """Read each member's processes' peak memory since the reading before (`Served.memory`; `step`: the step,
+    0-based, whose peak it is) and make its metrics (`memory_metrics`). Run once per step, after its updates."""
+    return memory_metrics(pool.each(Served.memory, {m: step for m in members}))
+
+
+def memory_metrics(readings: dict[str, MemoryReading]) -> dict[str, float]:
+    """`memory/peak_mib/MEMBERS` per process group read (`agent_trainer.Served.memory`): the members (agents,
+    critics) that answered from the same processes are one key, their names joined by `+` in the order given."""
+    shared: dict[tuple[int, ...], list[str]] = {}
+    for member, r in readings.items():
+        shared.setdefault(tuple(r.processes), []).append(member)
+    metrics: dict[str, float] = {}
+    for members in shared.values():
+        r, name = readings[members[0]], "+".join(members)
+        metrics[f"memory/peak_mib/{name}"] = r.peak_bytes / 2**20
+        if r.device_peak_bytes is not None:
+            metrics[f"memory/device_peak_mib/{name}"] = r.device_peak_bytes / 2**20
     return metrics
 
 

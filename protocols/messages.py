@@ -130,6 +130,25 @@ class OptimizerRequest(_Message):
     False: release it until then (`orchestrator.memory_plan`)."""
 
 
+class MemoryReading(_Message):
+    """The peak memory of an agent's processes since the reading before (`agent_trainer.process_memory`)."""
+
+    processes: list[int]
+    """The pids read: one per data-parallel worker. Agents that share a host read the same process."""
+    peak_bytes: int
+    """Peak resident memory, summed over the processes (Linux: the high-water mark, reset at each reading;
+    elsewhere the peak since the process started)."""
+    device_peak_bytes: int | None = None
+    """Peak memory torch allocated on the GPU, summed over the processes; None without one."""
+
+    @classmethod
+    def concat(cls, shares: list[MemoryReading]) -> MemoryReading:
+        """One reading of workers' readings: their processes, their peaks summed."""
+        device = [r.device_peak_bytes for r in shares if r.device_peak_bytes is not None]
+        return cls(processes=[p for r in shares for p in r.processes], peak_bytes=sum(r.peak_bytes for r in shares),
+                   device_peak_bytes=sum(device) if device else None)
+
+
 class UpdateResult(_Message):
     agent: str
     policy_version: int

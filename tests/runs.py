@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from orchestrator.steplog import computed
+
 MARSI = [sys.executable, "-m", "orchestrator.cli"]
 
 
@@ -33,7 +35,7 @@ def rows(run_dir) -> list[dict]:
 
 
 def without_times(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
+    return [computed(m) for m in metrics]
 
 
 def sigkill_a_run_after(config_path: Path, run_dir: Path, steps: int = 2) -> None:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from orchestrator.cli import build_parser, main
+from orchestrator.steplog import computed
 from protocols.config import ConfigError
 from tests.envs import config
 
@@ -42,7 +43,7 @@ def metrics(run_dir):
 
 
 def without_times(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return [computed(r) for r in rows]
 
 
 def test_run_writes_a_complete_run_directory_and_resume_continues_it(tmp_path):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from orchestrator.coordinator import Coordinator
+from orchestrator.steplog import computed
 from protocols.config import validate_config
 from tests.envs import config
 
@@ -21,7 +22,7 @@ def run(raw, tmp_path=None, steps=None):
 
 
 def without_times(history):
-    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in history]
+    return [computed(m) for m in history]
 
 
 def test_alternate_changes_only_the_scheduled_agent_and_never_the_frozen_one():
@@ -64,6 +65,10 @@ def test_each_agent_is_its_own_process_on_its_own_gpu_with_the_metrics_of_ray_of
     assert visible == ["0", "1"], info
     assert all(i["device"] == "cpu" for i in info.values())  # no CUDA here: falls back to CPU
     assert without_times(history) == without_times(off)
+    # each step's peak memory: per process, so one key for the two agents of one process and one each apart
+    assert {k for k in off[0] if k.startswith("memory/")} == {"memory/peak_mib/a+b"}
+    assert {k for k in history[0] if k.startswith("memory/")} == {"memory/peak_mib/a", "memory/peak_mib/b"}
+    assert all(100 < row[f"memory/peak_mib/{a}"] < 4096 for row in history for a in "ab")  # a trainer's process
     # start-up, timed: each actor's start holds its model load; the coordinator reports the slowest load
     assert all(0 < i["load_s"] < i["start_s"] for i in info.values())
     up = coord.startup

@@ -15,6 +15,7 @@ from orchestrator.rollout import Action, Episode, RecordedRoles, Turn
 from orchestrator.runlog import RunLog, read_checkpoint_state
 from orchestrator.schedule import Schedule
 from orchestrator.step_loop import StepLoop
+from orchestrator.steplog import computed
 from orchestrator.staleness import rollout_lag, timing_metrics, usable_actions, weights_step
 from protocols.config import ConfigError, ScheduleConfig, validate_config
 from protocols.messages import Completion
@@ -125,7 +126,7 @@ def test_k_zero_through_the_pipeline_gives_the_synchronous_loops_metrics_bit_for
     raw = config(turns=2, train={"steps": 3})
     sync = _run(raw)
     piped = _run(raw, rollouts=lambda coord: pipeline.AsyncRollouts(coord, 0))
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "staleness/"))} for r in rows]
+    strip = lambda rows: [{k: v for k, v in computed(r).items() if not k.startswith("staleness/")} for r in rows]
     assert strip(piped) == strip(sync)
     assert all(r["staleness/a/max"] == 0 and r["staleness/b/partners_max"] == 0 for r in piped)
     assert not any(k.startswith("staleness/") for r in sync for k in r)  # K = 0 logs what it always did
@@ -282,7 +283,7 @@ def test_a_separate_engine_samples_in_its_own_process_the_version_its_learner_pu
         if placement == "separate":
             assert all(i["rollout_engine"]["pid"] != i["pid"] for i in info.values())
             assert coord.lag == 1
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    strip = lambda rows: [computed(r) for r in rows]
     assert strip(runs["separate"]) == strip(runs["colocated"])
     assert [r["staleness/a/max"] for r in runs["separate"][:-1]] == [0, 1, 1, 1]
 

@@ -21,6 +21,7 @@ from agent_trainer.agent import Agent  # noqa: E402
 from agent_trainer.trainer import AgentTrainer  # noqa: E402
 from tests.loops import say_the_letter_curve  # noqa: E402
 from orchestrator.coordinator import Coordinator  # noqa: E402
+from orchestrator.steplog import computed  # noqa: E402
 from protocols.config import AgentConfig, AlgorithmConfig, RolloutConfig, validate_config  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, ScoreRequest, UpdateRequest  # noqa: E402
 from protocols.plan import plan_of  # noqa: E402
@@ -279,8 +280,7 @@ def parity(coord) -> dict[str, float]:
 
 
 def rows(run_dir):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [computed(json.loads(line)) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
