@@ -159,12 +159,13 @@ def play(make_env: Callable[[], Environment], samples: list[dict[str, Any]], num
     """Play `num_generations` episodes per sample until all end; one batched generate per turn for all agents.
     A role seated to `SCRIPTED` is answered by its episode's `env.scripted_action`. A role in the environment's
     `attempts`, or in `attempts` (role -> k, over the environment's), has its prompt k times in its agent's batch,
-    and its step entry is the list of the k answers."""
-    episodes = []
+    and its step entry is the list of the k answers. The call's environments share one dict (`Environment.batch`)."""
+    episodes, batch = [], {}  # what this call's environments share (`Environment.batch`)
     for s, sample in enumerate(samples):
         for g in range(num_generations):
             index = first_episode + s * num_generations + g
             episode = Episode(index=index, sample_index=s, env=make_environment(make_env))
+            episode.env.batch = batch
             prompts = _guard(episode, 0, "reset", lambda: episode.env.reset(dict(sample), seed=derive_seed(seed, index)))
             _check(episode, 0, "reset", prompts_problem(prompts, episode.env.possible_agents)
                    or (None if prompts else "no role acts on the first turn (empty prompts)"))

@@ -53,6 +53,12 @@ class Environment(abc.ABC):
     """Roles that answer each of their prompts several times in one turn, each with its default k (`roles.attempts`
     in a run config overrides k). Such a role's entry in `step`'s actions is the list of its k answers (a list also
     when k is 1); a role not listed answers once."""
+    batch: dict[str, Any] | None = None
+    """What the episodes played together share: one dict that the rollout loop gives every environment of a batch
+    (a training step's episodes, an evaluation's) before its `reset`, fresh for each batch; None outside a rollout.
+    The loop steps turn t of every live episode before any episode's turn t + 1, so what turn t writes here is
+    complete when turn t + 1 is stepped: a reward that depends on the other episodes of the batch (a penalty for a
+    problem proposed twice, a rank among the proposals) reads it then."""
 
     @abc.abstractmethod
     def reset(self, sample: dict[str, Any], seed: int | None = None) -> dict[str, Prompt]:

@@ -63,6 +63,29 @@ def test_the_k_attempts_share_one_prompt_in_one_batched_generate_and_step_gets_t
     assert calls[1] == {"s": ["Say a"] * 4} and episodes[0].turns[1].reward["solver"] == [1.0, 0.0]
 
 
+class BatchCountingEnv(AttemptsEnv):
+    """AttemptsEnv that counts, at the solver's turn, the proposals its batch made at turn 1."""
+
+    def step(self, actions):
+        if "proposer" in actions:
+            self.batch.setdefault("proposals", []).append(actions["proposer"])
+        else:
+            self.seen = len(self.batch["proposals"])
+        return super().step(actions)
+
+    def episode_info(self):
+        return {"seen": self.seen}
+
+
+def test_the_environments_of_one_call_share_one_batch_and_the_next_call_gets_a_fresh_one():
+    answers = {"p": ["a", "a", "a", "a"], "s": ["a"] * 12}
+    play = lambda: rollout.play(BatchCountingEnv, [{"target": "a"}, {"target": "b"}], 2, lambda e, t: SEATS,
+                                scripted(answers, []), seed=0, first_episode=0)
+    first, second = play(), play()
+    assert [e.info["seen"] for e in first + second] == [4.0] * 8  # every turn 1 of its call, none of the other's
+    assert len({id(e.env.batch) for e in first}) == 1 and first[0].env.batch is not second[0].env.batch
+
+
 def test_attempt_advantages_are_centred_within_the_k_and_the_proposer_groups_over_the_samples_episodes():
     episodes = play_two()
     # solver: episode 1 [1, 0, 1] (mean 2/3), episode 2 [1, 1, 1]; proposer: learnability 1/3 and 0 (mean 1/6)

@@ -185,8 +185,9 @@ def test_rsi_invalid_or_oversized_problems_end_the_episode_with_the_penalty(prop
 
 def test_rsi_duplicates_within_a_batch_are_penalised_every_copy():
     env = load("rsi", "RSIEnv")
-    batch = [env() for _ in range(3)]
-    for e in batch:
+    batch, shared = [env() for _ in range(3)], {}
+    for e in batch:  # one batch, as the rollout loop gives it (`Environment.batch`)
+        e.batch = shared
         e.reset(SEED, seed=0)
     for e, problem in zip(batch, ["3 + 4", "3+4", "5 * 2"]):  # all turn 1s before any turn 2, as the rollout loop
         assert e.step({"proposer": f"Problem: {problem}"}).prompts
@@ -195,7 +196,7 @@ def test_rsi_duplicates_within_a_batch_are_penalised_every_copy():
     assert rewards == [0.0, 0.0]  # learnability 0.5 - 0.5 for each copy
     assert batch[2].step({"solver": ["Answer: 10", "Answer: 0"] * 2}).reward["proposer"] == 0.5
     assert [e.episode_info()["distinct"] for e in batch] == [0.5, 0.5, 1.0]
-    first, _, info = rsi_episode("Problem: 3 + 4", half)  # the next batch starts afresh
+    first, _, info = rsi_episode("Problem: 3 + 4", half)  # an episode outside a batch is a batch of its own
     assert info["distinct"] == 1.0
 
 

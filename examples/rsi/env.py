@@ -14,8 +14,9 @@ attempts: `reward="absolute_zero"` 1 - p when 0 < p < 1, else 0 (learnability); 
 `"cooperative"` 0.5 + 0.5 p (paid for a valid problem and for the solver's success). An invalid problem ends the
 episode at turn 1 with -`invalid_penalty` for the proposer; a problem written more than once in the batch (the
 same expression, spaces aside) has `duplicate_penalty` taken off each copy. The batch is what one call of the
-rollout loop plays: every episode's turn 1 is stepped before any episode's turn 2, so the proposals of a batch are
-all known when the first solver turn is scored (see `_Batch`).
+rollout loop plays, and its environments share `self.batch` (`protocols.env.Environment.batch`): every episode's
+turn 1 is stepped before any episode's turn 2, so the proposals of a batch are all counted there when the first
+solver turn is scored. Outside a rollout (`batch` None) an episode is a batch of its own.
 
 `proposer="fixed"`: no proposer role; the environment writes each problem itself with `random_problem` from the
 episode's seed (the hand-written generator baseline).
@@ -167,25 +168,6 @@ def grade(texts: list[str], value: int) -> tuple[list[float], list[float], list[
     return right, formatted, strict
 
 
-class _Batch:
-    """The valid problems of the batch being played, to find duplicates. The rollout loop steps every live
-    episode's turn 1 before any turn 2, so a turn-1 step that comes after a turn-2 step opens a new batch."""
-
-    problems: dict[str, int] = {}
-    scoring = False
-
-    @classmethod
-    def add(cls, key: str) -> None:
-        if cls.scoring:
-            cls.problems, cls.scoring = {}, False
-        cls.problems[key] = cls.problems.get(key, 0) + 1
-
-    @classmethod
-    def copies(cls, key: str) -> int:
-        cls.scoring = True
-        return cls.problems.get(key, 1)
-
-
 class RSIEnv(Environment):
     max_turns = 2
     attempts = {"solver": 4}
@@ -202,6 +184,8 @@ class RSIEnv(Environment):
 
     def reset(self, sample, seed=None):
         self.info: dict[str, float] = {}
+        # the batch's valid problems (spaces removed) -> how many of its episodes proposed each
+        self.proposals: dict[str, int] = (self.batch if self.batch is not None else {}).setdefault("proposals", {})
         self.held_out = "problem" in sample
         if self.held_out:
             self.expression, self.value, self.level = sample["problem"], int(sample["answer"]), int(sample["level"])
@@ -230,7 +214,7 @@ class RSIEnv(Environment):
         self.info["solver_success"] = p
         if self.fixed:
             return StepResult(prompts={}, reward={"solver": right}, terminated=True, infos=infos)
-        copies = _Batch.copies(self.key)
+        copies = self.proposals.get(self.key, 1)
         self.info.update(distinct=1.0 / copies, learnability=1.0 - p if 0 < p < 1 else 0.0)
         paid = {"absolute_zero": self.info["learnability"], "r_zero": min(p, 1.0 - p), "cooperative": 0.5 + 0.5 * p}
         proposer = paid[self.reward] - self.duplicate_penalty * (copies > 1)
@@ -255,7 +239,7 @@ class RSIEnv(Environment):
             return self._invalid(f"a number above {self.max_number}")
         self.info.update(valid_problem=1.0, problem_size=float(size))
         self.key = re.sub(r"\s+", "", self.expression)
-        _Batch.add(self.key)
+        self.proposals[self.key] = self.proposals.get(self.key, 0) + 1
         return StepResult(prompts=self._accept(), reward={"proposer": 0.0}, infos={"proposer": {"valid": True}})
 
     def _accept(self) -> dict[str, str]:
