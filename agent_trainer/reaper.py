@@ -15,6 +15,11 @@ each of them still alive, rescans for children they started meanwhile until none
 all (SIGKILL) and exits. When the cluster's own processes end while the driver lives (`ray.shutdown()`),
 it gives any remaining descendant a grace period, kills what is left and exits.
 
+A driver that ends normally (its interpreter exits, and Ray's exit handler stops the cluster) says so first:
+an exit handler of `watch` writes one line to the watcher's stdin, a pipe only the driver holds. Only a driver
+that went without that line is reported on stderr as dead; one that stopped its cluster and exited between two
+of the watcher's scans is not, whichever the watcher noticed first.
+
 Limits: Linux only (it reads /proc; elsewhere `watch` starts nothing), and it cannot act if it is killed
 itself (say, SIGKILL to every process of the user at once): Ray's agents then end on their own within
 about a minute. A cluster marsi joined (`ray.address`) is never touched.
@@ -22,6 +27,7 @@ about a minute. A cluster marsi joined (`ray.address`) is never touched.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -33,6 +39,8 @@ from pathlib import Path
 POLL_S = 0.5
 GRACE_S = 10.0  # after ray.shutdown(): how long Ray's own stragglers may take before they are killed
 
+GOODBYE = b"driver exiting\n"
+
 Key = tuple[int, int]  # (pid, start time in clock ticks since boot): one process, never a reused pid
 
 
@@ -42,11 +50,21 @@ def watch(session_dir: str) -> subprocess.Popen | None:
     if not Path("/proc/self/stat").exists():
         return None
     proc = subprocess.Popen([sys.executable, "-I", "-S", __file__, str(os.getpid()), session_dir],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, start_new_session=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
     proc.stdout.readline()  # its first scan is done ("" if it ended without one)
     proc.stdout.close()
     threading.Thread(target=proc.wait, name="marsi-ray-reaper", daemon=True).start()  # no zombie when it ends
+    atexit.register(_say_goodbye, proc)  # runs before Ray's own exit handler, which was registered at its import
     return proc
+
+
+def _say_goodbye(proc: subprocess.Popen) -> None:
+    """This driver is exiting normally: its cluster is stopped by `ray.shutdown()`, not orphaned."""
+    try:
+        proc.stdin.write(GOODBYE)
+        proc.stdin.flush()
+    except (OSError, ValueError):  # the watcher has already exited
+        pass
 
 
 # ------------------------------------------------------------------------------------------- /proc
@@ -135,33 +153,59 @@ def _signal(pid: int, sig: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the watcher
+class Goodbye:
+    """Reads the watcher's stdin: whether the driver said it exits normally. The driver's end of the pipe closes
+    when the driver exits, before this process gets its new parent, so once `os.getppid()` changed the answer is
+    final (`said`)."""
+
+    def __init__(self, stream):
+        self.heard = threading.Event()
+        self.reader = threading.Thread(target=self._read, args=(stream,), name="goodbye", daemon=True)
+        self.reader.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            if line == GOODBYE:
+                self.heard.set()
+
+    def said(self) -> bool:
+        self.reader.join(timeout=2.0)  # at end of file at once: the driver is gone
+        return self.heard.is_set()
+
+
 def run(driver: int, session_dir: str) -> int:
     """Watch the cluster of `session_dir` started by `driver`; end its processes if the driver dies first."""
+    goodbye = Goodbye(sys.stdin.buffer)
     table = process_table()
     roots = cluster_roots(driver, session_dir, table)
     known = with_descendants(roots, table)
     print("scanned", flush=True)  # `watch` returns now: every process of the cluster is known
     while known:
         if os.getppid() != driver:  # the driver is gone: this process has a new parent
-            _report_orphaned(driver, end_all(known))
+            _after_driver(driver, end_all(known), goodbye)
             return 0
         table = process_table()
         known = with_descendants(known, table)
         if not any(alive(r, table) for r in roots):  # ray.shutdown(): Ray stops its own processes
-            return _after_shutdown(driver, known)
+            return _after_shutdown(driver, known, goodbye)
         time.sleep(POLL_S)
     return 0
 
 
-def _after_shutdown(driver: int, known: set[Key]) -> int:
+def _after_shutdown(driver: int, known: set[Key], goodbye: Goodbye) -> int:
     deadline = time.monotonic() + GRACE_S
     while known and time.monotonic() < deadline and os.getppid() == driver:
         time.sleep(POLL_S)
         known = with_descendants(known, process_table())
     count = end_all(known) if known else 0
-    if os.getppid() != driver:  # the driver died during the grace period
-        _report_orphaned(driver, count)
+    if os.getppid() != driver:  # the driver went during the grace period
+        _after_driver(driver, count, goodbye)
     return 0
+
+
+def _after_driver(driver: int, count: int, goodbye: Goodbye) -> None:
+    if not goodbye.said():
+        _report_orphaned(driver, count)
 
 
 def _report_orphaned(driver: int, count: int) -> None:

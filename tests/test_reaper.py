@@ -68,7 +68,8 @@ def kill_all(pids) -> None:
 
 # A stand-in for a driver that started a Ray cluster: a "cluster process" naming the session directory (with
 # a child that does not), an unrelated child, then the watcher. It prints the pids and waits, or with
-# "shutdown" ends its cluster process itself first, as ray.shutdown() does.
+# "shutdown" ends its cluster process itself first, as ray.shutdown() does, or with "exit" does that and exits
+# normally at once, as `marsi run` stopped by a signal while it starts does.
 DRIVER = textwrap.dedent("""
     import os, subprocess, sys, time
     sys.path.insert(0, {repo!r})
@@ -88,9 +89,11 @@ DRIVER = textwrap.dedent("""
         time.sleep(0.1)  # as after ray.init(): the cluster's processes are up
     watcher = reaper.watch(session)
     print(root.pid, grandchild[0], other.pid, watcher.pid, flush=True)
-    if mode == "shutdown":  # watch() returned: the watcher has scanned the tree
+    if mode in ("shutdown", "exit"):  # watch() returned: the watcher has scanned the tree
         root.kill()
         root.wait()
+    if mode == "exit":
+        sys.exit(0)
     if mode == "vanish":  # the driver dies; its cluster notices and ends itself at once, as Ray's GCS does
         os._exit(0)
     time.sleep(600)
@@ -129,6 +132,19 @@ def test_the_watcher_exits_when_the_cluster_is_shut_down_and_the_driver_lives(tm
         wait_until(lambda: not live(watcher), 20, "the watcher outlived the cluster")
         assert not live(grandchild)  # a straggler of the cluster is killed after the grace period
         assert driver.poll() is None and live(other)
+    finally:
+        kill_all([driver.pid, root, grandchild, other, watcher])
+
+
+def test_a_driver_that_stops_its_cluster_and_exits_at_once_is_not_reported_dead(tmp_path):
+    """The driver ends between two of the watcher's scans: the watcher finds it gone, but it said goodbye first."""
+    session, driver, root, grandchild, other, watcher = start_driver(tmp_path, "exit")
+    try:
+        assert driver.wait(timeout=30) == 0
+        wait_until(lambda: not live(watcher), 20, "the watcher outlived its driver")
+        err = driver.stderr.read()
+        assert "died without stopping" not in err, err
+        assert not live(grandchild) and live(other)  # the straggler is still ended
     finally:
         kill_all([driver.pid, root, grandchild, other, watcher])
 
