@@ -5,6 +5,11 @@ memory falls, and a run's metrics and checkpoints are those of a run that never 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,7 @@ from orchestrator.coordinator import Coordinator
 from protocols.config import AgentConfig, AlgorithmConfig, validate_config
 from protocols.messages import Experience, GenerateRequest, UpdateRequest
 from tests.envs import config
-from tests.runs import rows, without_times
+from tests.runs import MARSI, rows, without_times, write
 
 
 def make_trainer(*, trainable=True):
@@ -127,11 +132,15 @@ def test_releasing_lowers_the_process_memory():
     assert float(optimizer.state[parameter]["exp_avg"][0]) == pytest.approx(0.1)
 
 
-def round_robin(offload: str, steps: int = 6, **train):
+def round_robin_raw(offload: str, steps: int = 6, **train) -> dict:
     raw = config(("a", "b", "c"), schedule={"kind": "round_robin"}, train={"steps": steps, **train})
     for agent in raw["agents"].values():
         agent["optimizer"]["offload"] = offload
-    return validate_config(raw)
+    return raw
+
+
+def round_robin(offload: str, steps: int = 6, **train):
+    return validate_config(round_robin_raw(offload, steps, **train))
 
 
 def test_round_robin_metrics_are_the_same_with_the_state_released_or_kept(tmp_path):
@@ -156,6 +165,53 @@ def test_a_checkpoint_while_released_resumes_to_the_same_metrics(tmp_path):
     with Coordinator.resume(tmp_path / "released") as coord:
         coord.run()
     assert without_times(rows(tmp_path / "released")) == without_times(rows(tmp_path / "kept"))
+
+
+# `marsi run` whose NTH read of a released optimizer state from its scratch file names the agent in MARKER and
+# hangs there, so that the test can kill the run in the middle of a fetch.
+HANGING_FETCH = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    from agent_trainer import optimizer_offload
+    from orchestrator import cli
+
+    read, calls = optimizer_offload.OptimizerOffload._read_file, []
+
+    def hanging_read(self):
+        calls.append(self.label)
+        if len(calls) == {nth}:
+            open({marker!r}, "w").write(self.label)
+            time.sleep(600)
+        return read(self)
+
+    optimizer_offload.OptimizerOffload._read_file = hanging_read
+    sys.argv[0] = "marsi"
+    sys.exit(cli.main())
+""")
+
+
+@pytest.mark.parametrize("nth", [1, 2])  # a fetch for the checkpoint after step 2; a prefetch before an update
+def test_a_run_killed_while_fetching_a_released_state_resumes_to_the_same_metrics(tmp_path, nth):
+    with Coordinator(round_robin("off"), tmp_path / "kept") as coord:
+        coord.run()
+    marker, run_dir = tmp_path / "fetching", tmp_path / "released"
+    script = tmp_path / "marsi_hanging_fetch.py"
+    script.write_text(HANGING_FETCH.format(repo=str(Path(__file__).resolve().parent.parent), nth=nth,
+                                           marker=str(marker)))
+    cfg = write(tmp_path, round_robin_raw("auto", checkpoint_every=2))
+    proc = subprocess.Popen([sys.executable, str(script), "run", str(cfg), "--run-dir", str(run_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not marker.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "no fetch within 240 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert marker.read_text() in {"a", "b", "c"} and 2 <= len(rows(run_dir)) < 6  # killed mid-run, mid-fetch
+    out = subprocess.run([*MARSI, "resume", str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert without_times(rows(run_dir)) == without_times(rows(tmp_path / "kept"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
