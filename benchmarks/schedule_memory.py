@@ -9,7 +9,8 @@ Each run is a fresh process (Ray: with its actors), the settings in alternating 
 `--rounds` pairs). Full-model agents have a host each; adapter agents (LoRA of rank `--rank` on every linear layer)
 share one host and its base model. Measured: the peak PSS of the run's process tree (the sum of
 /proc/PID/smaps_rollup's Pss over the process and its descendants, sampled every `--interval` seconds), and the
-median seconds per step after the first.
+median seconds per step after the first. `--steps` must exceed every agent count: in fewer steps round robin updates
+only some of the agents, and the runs with the feature off would hold fewer optimizer states than a longer run.
 
 Printed: a row per run; with `--growth`, a table of every count of full-model and adapter agents, off and on, and
 the growth per added agent (least-squares slope over the counts); then `schedule-aware memory, K adapter agents:
@@ -162,12 +163,17 @@ def main() -> None:
     if args.child:
         Path(args.out).write_text(json.dumps(child(args)))
         return
+    counts = sorted({int(c) for c in args.growth.split(",") if c.strip()})
+    most = max([*counts, args.agents, args.adapters])
+    if args.steps <= most:
+        p.error(f"--steps {args.steps} must exceed the largest agent count, {most}: round robin updates only "
+                f"{args.steps} of {most} agents in {args.steps} steps, so the runs with the feature off would hold fewer "
+                "optimizer states than any longer run does")
     import bench_common as bc
 
     print(bc.machine_line())
     print(f"{args.model}, round robin, {args.steps} steps, {'Ray actors' if args.ray else 'in-process'}; batch "
           f"{args.batch} x {args.group}, {args.tokens} tokens; adapters of rank {args.rank}")
-    counts = sorted({int(c) for c in args.growth.split(",") if c.strip()})
     wanted = {("full", n) for n in counts} | {("adapter", n) for n in counts} | {("full", args.agents)}
     if args.adapters:
         wanted.add(("adapter", args.adapters))
