@@ -47,7 +47,7 @@ def create(loc: Location, data: bytes) -> bool:
     """Write `data` at `loc` unless something is there already; whether it was written."""
     path = _local(loc)
     if path is not None:
-        return storage._within(f"creating {loc}", _local_create, path, data)
+        return storage.within(loc.deadline_s, f"creating {loc}", _local_create, path, data)
     client = _s3(loc)
     if client is not None:
         return _s3_put(client, loc, data, IfNoneMatch="*")
@@ -61,7 +61,7 @@ def replace(loc: Location, data: bytes, version: str) -> bool:
     """Write `data` over the object at `loc` if it is still at `version`; whether it was written."""
     path = _local(loc)
     if path is not None:
-        return storage._within(f"writing {loc}", _local_replace, path, data, version)
+        return storage.within(loc.deadline_s, f"writing {loc}", _local_replace, path, data, version)
     client = _s3(loc)
     if client is not None:
         return _s3_put(client, loc, data, IfMatch=version)
@@ -76,7 +76,7 @@ def delete(loc: Location, version: str) -> bool:
     """Delete the object at `loc` if it is still at `version` (and its lock file beside it); whether it was."""
     path = _local(loc)
     if path is not None:
-        return storage._within(f"deleting {loc}", _local_delete, path, version)
+        return storage.within(loc.deadline_s, f"deleting {loc}", _local_delete, path, version)
     client = _s3(loc)
     if client is not None:
         return _s3_delete(client, loc, version)
@@ -192,13 +192,13 @@ _LOST_RACE = ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "
 """S3's answers to a conditional request whose condition did not hold (or an object gone meanwhile)."""
 
 
-def _s3_call(what: str, fn, **kwargs):
-    """`fn(**kwargs)` within the store's deadline; None when S3 refused it for its condition; any other failure an
+def _s3_call(loc: Location, what: str, fn, **kwargs):
+    """`fn(**kwargs)` within `loc`'s deadline; None when S3 refused it for its condition; any other failure an
     OSError naming `what` (as pyarrow's are), so that callers handle both clients alike."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
-        return storage._within(what, functools.partial(fn, **kwargs))
+        return storage.within(loc.deadline_s, what, functools.partial(fn, **kwargs))
     except ClientError as exc:
         code = str(exc.response.get("Error", {}).get("Code", ""))
         if code in _LOST_RACE:
@@ -212,20 +212,20 @@ def _s3_call(what: str, fn, **kwargs):
 
 def _s3_read(client, loc: Location) -> tuple[bytes, str] | None:
     bucket, key = _bucket_key(loc)
-    reply = _s3_call(f"reading {loc}", client.get_object, Bucket=bucket, Key=key)
+    reply = _s3_call(loc, f"reading {loc}", client.get_object, Bucket=bucket, Key=key)
     if reply is None:
         return None
-    return storage._within(f"reading {loc}", reply["Body"].read), reply["ETag"]
+    return storage.within(loc.deadline_s, f"reading {loc}", reply["Body"].read), reply["ETag"]
 
 
 def _s3_put(client, loc: Location, data: bytes, **condition: str) -> bool:
     bucket, key = _bucket_key(loc)
-    return _s3_call(f"writing {loc}", client.put_object, Bucket=bucket, Key=key, Body=data, **condition) is not None
+    return _s3_call(loc, f"writing {loc}", client.put_object, Bucket=bucket, Key=key, Body=data, **condition) is not None
 
 
 def _s3_delete(client, loc: Location, version: str) -> bool:
     bucket, key = _bucket_key(loc)
     try:
-        return _s3_call(f"deleting {loc}", client.delete_object, Bucket=bucket, Key=key, IfMatch=version) is not None
+        return _s3_call(loc, f"deleting {loc}", client.delete_object, Bucket=bucket, Key=key, IfMatch=version) is not None
     except NotImplementedError:  # a store without conditional deletes
         return _delete_checked(loc, version)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from agent_trainer import storage
 from agent_trainer.adapters import AdapterTrainer, SharedBase
 from agent_trainer.agent import Agent, Served
 from agent_trainer.critic import Critic
@@ -85,7 +84,6 @@ def start_trainer(name: str, config: RunConfig, plan: RunPlan, index: int, total
     """The trainer of agent `name`, of its host kind (an adapter agent on `base`, the host's shared base
     model; else a full-model agent); any failure becomes a one-line TrainerStartError. `where` names the
     node in messages."""
-    storage.set_deadline(config.train.storage_timeout_s)  # every call to the store from this trainer's process
     problem = missing_model_path(name, config, where)
     if problem:
         raise TrainerStartError(problem)

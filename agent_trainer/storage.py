@@ -36,7 +36,7 @@ from typing import Any, Iterator
 from protocols.errors import UserError
 from protocols.messages import Location, StoredFiles
 
-__all__ = ["Location", "StorageError", "StorageTimeout", "save", "load", "probe", "set_deadline"]
+__all__ = ["Location", "StorageError", "StorageTimeout", "save", "load", "probe", "within"]
 
 CHUNK = 8 << 20  # bytes read or written at a time: a file is streamed, never held whole
 STAGING_PREFIX = "marsi-ckpt-"  # node-local staging directories: marsi-ckpt-<pid>-<random>
@@ -48,69 +48,50 @@ class StorageError(UserError, RuntimeError):
 
 
 class StorageTimeout(StorageError):
-    """A call to the store did not answer within its deadline (`Deadline`)."""
+    """A call to the store did not answer within its deadline (`within`)."""
 
 
-class Deadline:
-    """Seconds any one call to the store may take (a listing, an open, one chunk read or written, a move;
-    `train.storage_timeout_s`); None waits forever. `within` runs a call under it."""
+def within(seconds: float | None, what: str, fn, *args):
+    """`fn(*args)`, run in a thread of its own and given up after `seconds` (StorageTimeout naming `what`; None waits
+    forever): the deadline of one call to the store, which a `Location` carries (`train.storage_timeout_s`). The call
+    may go on in the background, where it harms nothing (no file is committed by it alone)."""
+    if seconds is None:
+        return fn(*args)
+    outcome: dict[str, Any] = {}
 
-    def __init__(self, seconds: float | None = 120.0):
-        self.seconds = seconds
+    def call():
+        try:
+            outcome["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller below
+            outcome["error"] = exc
 
-    def within(self, what: str, fn, *args):
-        """`fn(*args)`, run in a thread of its own and given up after `seconds` (StorageTimeout naming `what`);
-        the call may go on in the background, where it harms nothing (no file is committed by it alone)."""
-        if self.seconds is None:
-            return fn(*args)
-        outcome: dict[str, Any] = {}
-
-        def call():
-            try:
-                outcome["value"] = fn(*args)
-            except BaseException as exc:  # handed to the caller below
-                outcome["error"] = exc
-
-        worker = threading.Thread(target=call, name="marsi-storage-call", daemon=True)
-        worker.start()
-        worker.join(self.seconds)
-        if worker.is_alive():
-            raise StorageTimeout(f"storage: {what} did not answer within {self.seconds:g} s (train.storage_timeout_s); "
-                                 "check that this machine reaches the store (network, URI, credentials), or raise "
-                                 "train.storage_timeout_s for a slow one")
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
-
-
-deadline = Deadline()
-"""The deadline of every call to the store from this process: the coordinator's and every trainer's process
-set it from `train.storage_timeout_s` (`set_deadline`) before they reach the store."""
-
-
-def set_deadline(seconds: float | None) -> None:
-    deadline.seconds = seconds
-
-
-def _within(what: str, fn, *args):
-    """`fn(*args)` within this process's store deadline (`Deadline.within`)."""
-    return deadline.within(what, fn, *args)
+    worker = threading.Thread(target=call, name="marsi-storage-call", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise StorageTimeout(f"storage: {what} did not answer within {seconds:g} s (train.storage_timeout_s); "
+                             "check that this machine reaches the store (network, URI, credentials), or raise "
+                             "train.storage_timeout_s for a slow one")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 class _Stream:
     """A file stream of the store whose every read, write and close keeps the deadline."""
 
-    def __init__(self, raw, what: str):
-        self.raw, self.what = raw, what
+    def __init__(self, raw, what: str, seconds: float | None):
+        self.raw, self.what, self.seconds = raw, what, seconds
 
     def read(self, size: int = -1) -> bytes:
-        return _within(f"reading {self.what}", self.raw.read, size) if size >= 0 else _within(f"reading {self.what}", self.raw.read)
+        args = (size,) if size >= 0 else ()
+        return within(self.seconds, f"reading {self.what}", self.raw.read, *args)
 
     def write(self, data: bytes) -> None:
-        _within(f"writing {self.what}", self.raw.write, data)
+        within(self.seconds, f"writing {self.what}", self.raw.write, data)
 
     def close(self) -> None:
-        _within(f"closing {self.what}", self.raw.close)
+        within(self.seconds, f"closing {self.what}", self.raw.close)
 
     def __enter__(self) -> _Stream:
         return self
@@ -120,10 +101,13 @@ class _Stream:
 
 
 class _Filesystem:
-    """A pyarrow filesystem whose every call keeps the deadline; messages name the place (`root` + path)."""
+    """A pyarrow filesystem whose every call keeps the deadline `seconds`; messages name the place (`root` + path)."""
 
-    def __init__(self, raw, root: str):
-        self.raw, self.root = raw, root
+    def __init__(self, raw, root: str, seconds: float | None):
+        self.raw, self.root, self.seconds = raw, root, seconds
+
+    def _within(self, what: str, fn, *args):
+        return within(self.seconds, what, fn, *args)
 
     def where(self, path: str) -> str:
         return path if isinstance(self.raw, _local_fs()) else f"{self.root.split('://', 1)[0]}://{path.lstrip('/')}"
@@ -132,25 +116,27 @@ class _Filesystem:
         from pyarrow import fs
 
         path = target.base_dir if isinstance(target, fs.FileSelector) else target
-        return _within(f"listing {self.where(path)}", self.raw.get_file_info, target)
+        return self._within(f"listing {self.where(path)}", self.raw.get_file_info, target)
 
     def open_input_stream(self, path: str) -> _Stream:
-        return _Stream(_within(f"opening {self.where(path)}", self.raw.open_input_stream, path), self.where(path))
+        return _Stream(self._within(f"opening {self.where(path)}", self.raw.open_input_stream, path), self.where(path),
+                       self.seconds)
 
     def open_output_stream(self, path: str) -> _Stream:
-        return _Stream(_within(f"creating {self.where(path)}", self.raw.open_output_stream, path), self.where(path))
+        return _Stream(self._within(f"creating {self.where(path)}", self.raw.open_output_stream, path),
+                       self.where(path), self.seconds)
 
     def move(self, src: str, dest: str) -> None:
-        _within(f"moving {self.where(src)} to {self.where(dest)}", self.raw.move, src, dest)
+        self._within(f"moving {self.where(src)} to {self.where(dest)}", self.raw.move, src, dest)
 
     def delete_file(self, path: str) -> None:
-        _within(f"deleting {self.where(path)}", self.raw.delete_file, path)
+        self._within(f"deleting {self.where(path)}", self.raw.delete_file, path)
 
     def delete_dir(self, path: str) -> None:
-        _within(f"deleting {self.where(path)}", self.raw.delete_dir, path)
+        self._within(f"deleting {self.where(path)}", self.raw.delete_dir, path)
 
     def create_dir(self, path: str, recursive: bool = True) -> None:
-        _within(f"creating {self.where(path)}", functools.partial(self.raw.create_dir, path, recursive=recursive))
+        self._within(f"creating {self.where(path)}", functools.partial(self.raw.create_dir, path, recursive=recursive))
 
 
 def _local_fs():
@@ -160,26 +146,25 @@ def _local_fs():
 
 
 @functools.lru_cache(maxsize=16)
-def _filesystem(root: str):
-    """(filesystem, base path) of a storage root; built once per process (an S3 client resolves credentials and
-    region when it is made), within the deadline."""
+def _filesystem(root: str, seconds: float | None):
+    """(pyarrow filesystem, base path) of a storage root; built once per process (an S3 client resolves credentials
+    and region when it is made), within the deadline."""
     from pyarrow import fs
 
     try:
-        raw, base = _within(f"opening {root}", fs.FileSystem.from_uri, root)
+        return within(seconds, f"opening {root}", fs.FileSystem.from_uri, root)
     except StorageError:
         raise
     except Exception as exc:
         raise StorageError(f"train.storage {root!r}: cannot open it ({' '.join(str(exc).split())}); check the "
                            "URI and, for object stores, the credentials") from None
-    return _Filesystem(raw, root), base
 
 
 def _fs(loc: Location):
-    """(filesystem, this location's path inside it)."""
-    filesystem, base = _filesystem(loc.root)
+    """(filesystem keeping `loc`'s deadline, this location's path inside it)."""
+    raw, base = _filesystem(loc.root, loc.deadline_s)
     base = base.rstrip("/")
-    return filesystem, f"{base}/{loc.key}" if loc.key else (base or "/")
+    return _Filesystem(raw, loc.root, loc.deadline_s), f"{base}/{loc.key}" if loc.key else (base or "/")
 
 
 def on_disk(loc: Location) -> Path | None:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from agent_trainer import storage
 from protocols.config import ConfigError
-from protocols.messages import Location
+from protocols.messages import DEFAULT_STORE_DEADLINE_S, Location
 
 CHECKPOINT_DONE = "coordinator.json"  # written last: a checkpoint without it is incomplete
 TRANSCRIPTS = "transcripts.jsonl"
@@ -56,9 +56,10 @@ def complete_checkpoints(root: Location) -> list[Location]:
     return sorted((c for c in found if storage.exists(c / CHECKPOINT_DONE)), key=CheckpointName.of)
 
 
-def as_checkpoint(path: str | Path | Location) -> Location:
-    """A checkpoint given by the user: a URI (`s3://...`, `file://...`) or a path (a `file://` location)."""
-    return path if isinstance(path, Location) else Location.parse(path)
+def as_checkpoint(path: str | Path | Location, deadline_s: float | None = DEFAULT_STORE_DEADLINE_S) -> Location:
+    """A checkpoint given by the user: a URI (`s3://...`, `file://...`) or a path (a `file://` location), whose
+    calls to the store keep `deadline_s` (a `Location` keeps its own)."""
+    return path if isinstance(path, Location) else Location.parse(path, deadline_s)
 
 
 def read_checkpoint_state(path: Location) -> dict[str, Any]:

@@ -103,7 +103,7 @@ class Checkpoints:
 
     def load_weights(self, checkpoint: str | Path | Location) -> None:
         """Load every agent's weights from an intact checkpoint, leaving the coordinator's own state as it is."""
-        checkpoint = as_checkpoint(checkpoint)
+        checkpoint = as_checkpoint(checkpoint, self.config.train.storage_timeout_s)
         problem = checkpoint_problem(checkpoint) or self.load_trainers(checkpoint)
         if problem:
             raise FileNotFoundError(f"checkpoint {checkpoint} cannot be loaded: {problem}")
@@ -113,7 +113,7 @@ class Checkpoints:
         by default from the newest checkpoint that is intact, falling back to older ones (and saying so)
         when the newest is damaged (a missing, truncated or altered file). A trainer that dies or hangs while
         loading is a trainer failure (see `recover`), not damage."""
-        candidates = [as_checkpoint(path)] if path is not None else list(reversed(self.log.checkpoints()))
+        candidates = [as_checkpoint(path, self.config.train.storage_timeout_s)] if path is not None else list(reversed(self.log.checkpoints()))
         if not candidates:
             raise FileNotFoundError(no_checkpoint(self.log))
         for i, candidate in enumerate(candidates):

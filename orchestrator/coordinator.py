@@ -13,7 +13,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
-from agent_trainer import storage
 from agent_trainer.agent import Agent
 from agent_trainer.critic import Critic
 from agent_trainer.handle import TrainerFailure
@@ -54,7 +53,6 @@ class Coordinator:
         """`take_over`: take over the run's lease in its store from a run that is gone (`orchestrator.lease`)."""
         self.config = config
         self.plan = plan_of(config)  # hosts, critics, staleness bounds, engine sizes: derived once (protocols.plan)
-        storage.set_deadline(config.train.storage_timeout_s)  # every call to the store from this process
         self.schedule = Schedule(config.schedule, list(config.agents))
         self.lag, self.lag_note = planned_lag(config, self.schedule, self.plan.staleness_bounds)
         """Steps the rollouts run ahead of the updates (0: synchronous), and why agents' own bounds lowered it
@@ -81,7 +79,8 @@ class Coordinator:
         self.critics = self.plan.critic_members  # critic -> the agents it values (algorithm.baseline: critic)
         self.members = [*config.agents, *self.critics]  # what a checkpoint holds: every agent and critic
         self.credit = CriticCredit(config, self.plan) if uses_critic(config.algorithm) else None  # chosen once
-        self.log = RunLog(run_dir, config.logging, config.train.storage) if run_dir is not None else None
+        self.log = (RunLog(run_dir, config.logging, config.train.storage, config.train.storage_timeout_s)
+                    if run_dir is not None else None)
         self.session = Session(config, self.plan, self.schedule, self.members, self.partners, self.sits_in_for,
                                self.log, resuming=resume, take_over=take_over)
         self.checkpoints = Checkpoints(config, self.session, self.schedule, self.members, self.lag, self.max_turns)

@@ -51,7 +51,7 @@ from orchestrator.lease import Lease
 from orchestrator.loggers import Logger, missing_extra, open_loggers
 from protocols.config import LoggingConfig, RunConfig
 from protocols.errors import UserError
-from protocols.messages import Location
+from protocols.messages import DEFAULT_STORE_DEADLINE_S, Location
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 STORE_RECORD = "store.json"  # with train.storage: the run's place in the store (STORAGE/RUN_NAME)
@@ -100,15 +100,26 @@ def holds_run(path: Path) -> bool:
     return any((path / name).exists() for name in ("config.yaml", "metrics.jsonl", "checkpoints"))
 
 
+class Recorded:
+    """`RunLog`'s default deadline: the one the run's config.yaml records."""
+
+
+RECORDED = Recorded()
+
+
 class RunLog:
     """Reads and writes one run directory. `claim()` makes this process its writer."""
 
-    def __init__(self, run_dir: str | Path, logging: LoggingConfig | None = None, storage: str | None = None):
-        """`storage`: the run's `train.storage`; None: as its config.yaml records (none: the run directory)."""
+    def __init__(self, run_dir: str | Path, logging: LoggingConfig | None = None, storage: str | None = None,
+                 deadline_s: float | None | Recorded = RECORDED):
+        """`storage`: the run's `train.storage`; None: as its config.yaml records (none: the run directory).
+        `deadline_s`: its `train.storage_timeout_s`, which every location of the store this log hands out carries;
+        by default as its config.yaml records."""
         self.dir = Path(run_dir)
         self.logging = logging or LoggingConfig()
         self.storage = storage if storage is not None else recorded_storage(self.dir)
-        self._place = recorded_place(self.dir) if self.storage is not None else None
+        self.deadline_s = recorded_deadline(self.dir) if isinstance(deadline_s, Recorded) else deadline_s
+        self._place = recorded_place(self.dir, self.deadline_s) if self.storage is not None else None
         self.loggers: list[Logger] = []  # TensorBoard, W&B: opened by claim()
         self.lease: Lease | None = None  # with train.storage: this process's lease of the run's place, from claim()
         self._lock = None
@@ -142,7 +153,7 @@ class RunLog:
         before any trainer starts."""
         root = self.checkpoint_dir()
         try:
-            self._made_root = self.storage is not None and not resume and not storage.exists(Location.parse(self.storage))
+            self._made_root = self.storage is not None and not resume and not storage.exists(self._storage_root())
             if self.storage is not None:
                 lease = Lease(root.parent)
                 lease.take(take_over=take_over)
@@ -182,7 +193,7 @@ class RunLog:
         with contextlib.suppress(OSError, StorageError):
             if not storage.file_sizes(place):
                 storage.delete(place)
-            root = Location.parse(self.storage) if self.storage is not None else None
+            root = self._storage_root() if self.storage is not None else None
             if self._made_root and not storage.file_sizes(root):  # an object store's prefix made for this run only
                 storage.delete(root)
 
@@ -362,8 +373,11 @@ class RunLog:
         """The run's place in its store: the run directory, or STORAGE/RUN_NAME (as RUN_DIR/store.json records it,
         so a renamed run directory still finds it; RUN_NAME is the run directory's name when the run began)."""
         if self.storage is None:
-            return Location.parse(self.dir)
-        return self._place or Location.parse(self.storage) / self.dir.resolve().name
+            return Location.parse(self.dir, self.deadline_s)
+        return self._place or self._storage_root() / self.dir.resolve().name
+
+    def _storage_root(self) -> Location:
+        return Location.parse(self.storage, self.deadline_s)
 
     def checkpoint_dir(self) -> Location:
         """Where this run's checkpoints go: RUN_DIR/checkpoints, or STORAGE/RUN_NAME/checkpoints."""
@@ -446,22 +460,34 @@ class RunLog:
                 storage.delete_file(self.checkpoint_dir() / name)
 
 
-def recorded_place(run_dir: Path) -> Location | None:
+def recorded_place(run_dir: Path, deadline_s: float | None = DEFAULT_STORE_DEADLINE_S) -> Location | None:
     """The run's place in storage as RUN_DIR/store.json records it (None: no record, as in runs of older marsi)."""
     try:
-        return Location.parse(json.loads((run_dir / STORE_RECORD).read_text())["place"])
+        return Location.parse(json.loads((run_dir / STORE_RECORD).read_text())["place"], deadline_s)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
+def _recorded_train(run_dir: Path) -> dict:
+    """The train section a run directory's config.yaml records ({}: none, or no config yet)."""
+    try:
+        train = yaml.safe_load((run_dir / "config.yaml").read_text())["train"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return {}
+    return train if isinstance(train, dict) else {}
+
+
 def recorded_storage(run_dir: Path) -> str | None:
     """The train.storage a run directory's config.yaml records (None: none, or no config yet)."""
-    try:
-        raw = yaml.safe_load((run_dir / "config.yaml").read_text())
-        value = raw["train"].get("storage")
-    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
-        return None
+    value = _recorded_train(run_dir).get("storage")
     return value if isinstance(value, str) else None
+
+
+def recorded_deadline(run_dir: Path) -> float | None:
+    """The train.storage_timeout_s a run directory's config.yaml records (its default where none is)."""
+    train = _recorded_train(run_dir)
+    value = train.get("storage_timeout_s", DEFAULT_STORE_DEADLINE_S)
+    return value if value is None or (isinstance(value, (int, float)) and value > 0) else DEFAULT_STORE_DEADLINE_S
 
 
 def _source_file(spec: str) -> Path | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Literal
 
@@ -258,27 +258,37 @@ class StoredFiles(_Message):
 
 
 # ----------------------------------------------------------------------------------- checkpoint store
+DEFAULT_STORE_DEADLINE_S = 120.0
+"""Seconds any one call to the checkpoint store may take where no run's `train.storage_timeout_s` says (its default
+too)."""
+
+
 @dataclass(frozen=True)
 class Location:
     """A directory in the checkpoint store: `root`, a filesystem URI (`s3://bucket/prefix`, `gs://...`,
     `hdfs://...`, `file:///path`, or an absolute path, which is a `file://` location), and a `/`-separated
     `key` below it. The run directory's checkpoints are one (its absolute path); `train.storage` names
     another. Behaves like a path where the coordinator needs one: `loc / "agents"`, `loc.name`, `loc.parent`,
-    `str(loc)` (the URI). `agent_trainer/storage.py` reads and writes it."""
+    `str(loc)` (the URI). `agent_trainer/storage.py` reads and writes it.
+
+    A location carries the deadline of every call to the store made for it (`deadline_s`, the run's
+    `train.storage_timeout_s`; None waits forever), and hands it to every location derived from it, so a trainer
+    keeps the deadline of the requests it is sent. Two locations of the same place are equal whatever their deadline."""
 
     root: str
     key: str = ""
+    deadline_s: float | None = field(default=DEFAULT_STORE_DEADLINE_S, compare=False)
 
     @classmethod
-    def parse(cls, uri: str | PurePath) -> Location:
+    def parse(cls, uri: str | PurePath, deadline_s: float | None = DEFAULT_STORE_DEADLINE_S) -> Location:
         """The location a URI names; a path (str or Path) is made absolute (a `file://` location)."""
         text = str(uri)
         if "://" not in text:
             text = os.path.abspath(text)
-        return cls(text.rstrip("/") or "/")
+        return cls(text.rstrip("/") or "/", deadline_s=deadline_s)
 
     def __truediv__(self, part: str) -> Location:
-        return Location(self.root, f"{self.key}/{part}".strip("/"))
+        return Location(self.root, f"{self.key}/{part}".strip("/"), self.deadline_s)
 
     @property
     def name(self) -> str:
@@ -286,7 +296,7 @@ class Location:
 
     @property
     def parent(self) -> Location:
-        return Location(self.root, self.key.rsplit("/", 1)[0] if "/" in self.key else "")
+        return Location(self.root, self.key.rsplit("/", 1)[0] if "/" in self.key else "", self.deadline_s)
 
     def __str__(self) -> str:
         return f"{self.root.rstrip('/')}/{self.key}" if self.key else self.root

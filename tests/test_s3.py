@@ -205,7 +205,6 @@ def test_the_runs_lease_in_s3_goes_to_one_of_two_writers_and_back(tmp_path, s3, 
     from orchestrator.runlog import RunLog
     from tests.runs import claim_at_once
 
-    monkeypatch.setattr(storage.deadline, "seconds", 120.0)  # as a run sets it (train.storage_timeout_s); tests before set 2
     store = f"s3://{BUCKET}/leased"
     for attempt in range(5):
         logs = [RunLog(tmp_path / f"{who}-{attempt}" / "run", storage=store) for who in ("one", "two")]
@@ -230,7 +229,6 @@ def test_a_lease_in_s3_without_boto3_is_said_to_be_not_atomic(tmp_path, s3, clie
     from agent_trainer import conditional
     from orchestrator.runlog import RunLog
 
-    monkeypatch.setattr(storage.deadline, "seconds", 120.0)
     log = RunLog(tmp_path / "with" / "run", storage=f"s3://{BUCKET}/with-boto3")
     log.claim(resume=False)
     assert conditional.atomic(log.lease.where) and "atomically" not in capsys.readouterr().err

@@ -314,10 +314,10 @@ def test_an_unreachable_store_fails_within_the_deadline_in_one_line(tmp_path, mo
     release = threading.Event()
     real = storage._filesystem.__wrapped__
 
-    def hanging(root):
+    def hanging(root, seconds):
         if root.startswith("gs://"):
-            return storage._Filesystem(_HangingFilesystem(release), root), "no-such-bucket/x"
-        return real(root)
+            return _HangingFilesystem(release), "no-such-bucket/x"
+        return real(root, seconds)
 
     monkeypatch.setattr(storage, "_filesystem", hanging)
     raw = raw_config(steps=1, storage="gs://no-such-bucket/x", storage_timeout_s=0.2)
@@ -328,6 +328,26 @@ def test_an_unreachable_store_fails_within_the_deadline_in_one_line(tmp_path, mo
         release.set()
     assert_documented("storage_no_answer", info.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_location_carries_its_deadline_to_what_is_made_from_it_and_to_a_trainer(tmp_path):
+    """The store's deadline belongs to the run, not to the process: every location a run hands out carries it, through
+    the requests a trainer is sent, and two runs in one process keep their own."""
+    import pickle
+
+    from protocols.messages import LoadRequest
+
+    loc = Location.parse(tmp_path, deadline_s=0.5)
+    assert (loc / "a" / "b").parent.deadline_s == 0.5 and loc == Location.parse(tmp_path)  # equal: the same place
+    sent = pickle.loads(pickle.dumps(LoadRequest(source=loc / "agents" / "a")))  # as Ray sends it
+    assert sent.source.deadline_s == 0.5
+    short = RunLog(tmp_path / "short", storage=f"file://{tmp_path}/store", deadline_s=3.0)
+    patient = RunLog(tmp_path / "patient", deadline_s=None)
+    assert short.checkpoint_dir().deadline_s == 3.0 and patient.checkpoint_dir().deadline_s is None
+    with Coordinator(validate_config(raw_config(steps=1, storage_timeout_s=7.0)), tmp_path / "run") as coord:
+        coord.run()
+    assert RunLog(tmp_path / "run").checkpoint_dir().deadline_s == 7.0  # read back from the run's config.yaml
+    assert RunLog(tmp_path / "short").checkpoint_dir().deadline_s == 120.0  # no config: the default
 
 
 def test_a_full_store_is_named_with_its_free_space(tmp_path, node_tmp, monkeypatch):
