@@ -19,6 +19,8 @@ The runs (3 steps each, seed 0):
 - `demo_local`: the same with `ray.enabled=false` (the trainers in the coordinator's process) and
   `schedule.period=1`, so that both agents update (alice, bob, alice).
 - `demo_ema`: `demo_local` with `algorithm.baseline=ema`.
+- `demo_async`: `demo_local` with `train.max_staleness=1` (rollouts a step ahead, truncated importance weights on).
+- `demo_critic`: `demo_local` with `algorithm.baseline=critic` (a critic with its default settings).
 - `guess`: examples/guess/config.yaml with both agents on `builtin:tiny` instead of SmolLM2-135M-Instruct,
   whose 3 steps take minutes on a 2-core CPU; the environment, prompts, schedule and algorithm are the
   example's.
@@ -48,10 +50,14 @@ RUNS = {
     "demo_local": ("examples/demo/config.yaml", [*COMMON, "ray.enabled=false", "schedule.period=1"]),
     "demo_ema": ("examples/demo/config.yaml", [*COMMON, "ray.enabled=false", "schedule.period=1",
                                                "algorithm.baseline=ema"]),
+    "demo_async": ("examples/demo/config.yaml", [*COMMON, "ray.enabled=false", "schedule.period=1",
+                                                 "train.max_staleness=1"]),
+    "demo_critic": ("examples/demo/config.yaml", [*COMMON, "ray.enabled=false", "schedule.period=1",
+                                                  "algorithm.baseline=critic"]),
     "guess": ("examples/guess/config.yaml", [*COMMON, *TINY]),
     "guess_smollm2": ("examples/guess/config.yaml", [*COMMON, "eval.data.kwargs.n=4", "eval.partners={}"]),
 }
-DEFAULT_RUNS = ["demo", "demo_local", "demo_ema", "guess"]
+DEFAULT_RUNS = ["demo", "demo_local", "demo_ema", "demo_async", "demo_critic", "guess"]
 
 
 def run_metrics(tree: Path, name: str, work: Path) -> list[dict]:
