@@ -82,15 +82,18 @@ def missing_resources(resources: dict[str, Any], layout: dict[str, list[str]], t
 
 
 def fit_problem(config: RunConfig, plan: RunPlan, total: dict[str, float], nodes: list[dict[str, Any]],
-                where: str) -> str | None:
+                where: str, *, node_ids_known: bool = True) -> str | None:
     """Why a cluster (`total`: its resources in all; `nodes`: as ray.nodes() lists them) can never place the
     trainers: too few CPUs or GPUs in all, a custom resource or GPU type no node has, a label selector no live
-    node matches; or None."""
+    node matches; or None. `node_ids_known=False`: selectors on a node's id are left out (a cluster not yet up)."""
     problem = placement_problem(config, plan, total.get("CPU", 0.0), total.get("GPU", 0.0), where)
     if problem:
         return problem
     layout = plan.host_layout
-    resources = {host: config.agents[agents[0]].resources for host, agents in layout.items()}
+    resources = {host: plan.host_resources[host] for host in layout}
+    if not node_ids_known:
+        resources = {host: r.model_copy(update={"label_selector": {
+            k: v for k, v in r.label_selector.items() if k != NODE_ID_LABEL}}) for host, r in resources.items()}
     return missing_resources(resources, layout, total, where) or unmatched_labels(resources, layout, nodes, where)
 
 
@@ -111,11 +114,8 @@ def local_cluster_problem(config: RunConfig, plan: RunPlan) -> str | None:
         total, labels = node.to_resource_dict(), dict(node.labels)
     except Exception:  # another Ray's internals: the running cluster is checked once it is up
         return placement_problem(config, plan, *local_resources(config), "the local cluster")
-    known = config.model_copy(update={"agents": {
-        name: agent.model_copy(update={"resources": agent.resources.model_copy(update={"label_selector": {
-            k: v for k, v in agent.resources.label_selector.items() if k != NODE_ID_LABEL}})})
-        for name, agent in config.agents.items()}})
-    return fit_problem(known, plan, total, [{"Alive": True, "Labels": labels}], "the local cluster")
+    return fit_problem(config, plan, total, [{"Alive": True, "Labels": labels}], "the local cluster",
+                       node_ids_known=False)
 
 
 def local_resources(config: RunConfig) -> tuple[float, float]:

@@ -22,7 +22,7 @@ from agent_trainer.critic_trainer import CriticTrainer
 from agent_trainer.dispatch import dispatch_of
 from agent_trainer.handle import TrainerStartError
 from agent_trainer.trainer import AgentTrainer
-from protocols.config import RunConfig
+from protocols.config import RunConfig, agent_resources
 from protocols.errors import describe
 from protocols.plan import RunPlan
 
@@ -57,7 +57,7 @@ class Host:
 def start_critic(name: str, config: RunConfig, plan: RunPlan, trainers: dict[str, Any]):
     """The trainer of critic `name`, on the model of the agent that hosts it (`critic.model: agent`, an agent
     of this host) or an LM of its own; any failure becomes a one-line TrainerStartError."""
-    critic = config.critic
+    critic = plan.critic
     agent = trainers[plan.critic_host_agents[name]] if critic.model == "agent" else None
     try:
         return CriticTrainer(name, critic, seed=config.train.seed + 10_000 + list(plan.critic_members).index(name),
@@ -87,9 +87,9 @@ def start_trainer(name: str, config: RunConfig, plan: RunPlan, index: int, total
     problem = missing_model_path(name, config, where)
     if problem:
         raise TrainerStartError(problem)
-    agent = config.agents[name]
+    agent = config.agents[name].model_copy(update={"resources": agent_resources(config, name)})  # a shared host's
     kwargs = dict(seed=config.train.seed + index, total_updates=total_updates,
-                  trainable=name not in config.schedule.frozen)
+                  trainable=name not in config.schedule.frozen, staleness_bound=plan.staleness_bounds[name])
     try:
         if agent.adapter is not None:
             trainer = AdapterTrainer(name, agent, config.algorithm, base=base, **kwargs)

@@ -35,8 +35,8 @@ Choices a reviewer should know (they follow trl, verl and SPIRAL unless said oth
   (a LoRA adapter on a frozen base the agents of one host share): it overrides where the policy comes from
   (`_load_policy`), the KL reference (`_reference_model`), what the optimizer trains (`_trainable_parameters`),
   save/load/digests, and `selected` (its adapter active and its RNG state in place during a call).
-- Truncated importance sampling (`agent.rollout.tis_cap`, on by default with the vllm engine): the engine's
-  behaviour log-probs mu differ from the learner's pi_old for the same weights (kernels, precision). Each
+- Truncated importance sampling (`agent.rollout.tis_cap`, on by default with the vllm engine or stale
+  actions): the engine's behaviour log-probs mu differ from the learner's pi_old for the same weights (kernels, precision). Each
   token's policy-gradient term is multiplied by w = min(exp(log pi_old - log mu), tis_cap), detached, where
   pi_old is this update's first-pass log-prob; the PPO ratio of later passes is then taken against pi_old,
   not mu. `logp_mismatch` / `logp_gap_max` are the mean / largest |log pi_old - log mu| over tokens.
@@ -69,7 +69,7 @@ from agent_trainer.models import (
     DTYPES, SOURCE_MARKER, context_problem, fingerprint_difference, load_model, resolve_model_path, source_fingerprint,
 )
 from agent_trainer.workers import SingleWorker
-from protocols.config import AgentConfig, AlgorithmConfig, OptimizerConfig
+from protocols.config import AgentConfig, AlgorithmConfig, OptimizerConfig, tis_cap_of
 from protocols.errors import UserError
 from protocols.messages import (
     CheckpointInfo, Completion, Experience, GenerateRequest, GenerateResult, Prompt, UpdateRequest, UpdateResult,
@@ -91,13 +91,16 @@ class AgentTrainer:
 
     def __init__(self, name: str, agent: AgentConfig, algorithm: AlgorithmConfig, *, seed: int = 0,
                  total_updates: int = 1000, device: str | torch.device | None = None, trainable: bool = True,
-                 kv_cache_sequences: int | None = None):
+                 kv_cache_sequences: int | None = None, staleness_bound: int = 0):
         """`kv_cache_sequences`: a vLLM engine's CPU KV-cache size in whole sequences, as the run's plan sizes it
-        (`protocols.plan.RunPlan.engine_cache_sizes`); None: the agent's own `rollout.vllm` settings."""
+        (`protocols.plan.RunPlan.engine_cache_sizes`); None: the agent's own `rollout.vllm` settings.
+        `staleness_bound`: how many policy versions its actions may be behind (`RunPlan.staleness_bounds`), which
+        `rollout.tis_cap: auto` follows."""
         self.device = torch.device(device) if device is not None else pick_device(agent.resources.num_gpus)
         self.precision = precision.choose(agent.dtype, self.device, model=agent.model)  # `auto` resolved here
         agent = agent.model_copy(update={"dtype": self.precision.dtype})  # what the model, base and engine get
         self.name, self.agent, self.algorithm, self.trainable = name, agent, algorithm, trainable
+        self.tis_cap = tis_cap_of(agent.rollout, staleness_bound)
         self.total_updates = max(1, total_updates)
         self.compute_dtype = DTYPES[agent.dtype]
         _seed_everything(seed)
@@ -223,7 +226,7 @@ class AgentTrainer:
         self.offload.resident()  # fetched in the background when the schedule's plan saw this update coming
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        tis_cap = self.agent.rollout.tis_cap
+        tis_cap = self.tis_cap
         stats = dict.fromkeys(("loss", "kl", "entropy", "clipped", "mismatch", "mismatch_tokens", "gap_max",
                                "tis_weight", "tis_truncated", "tis_tokens"), 0.0)
         first_logps: dict[int, torch.Tensor] = {}  # TIS: the learner's log-probs before the update, per micro-batch

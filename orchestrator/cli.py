@@ -14,7 +14,7 @@ from pathlib import Path
 
 from orchestrator.checkpoint_files import checkpoint_path
 from orchestrator.export import cmd_export
-from protocols.config import RunConfig, load_config
+from protocols.config import RunConfig, agent_resources, critic_settings, load_config
 from protocols.errors import UserError, describe, one_line
 
 
@@ -241,7 +241,8 @@ def _train(coord, stop: StopOnSignal, new: bool) -> int:
 def _member_label(config, name: str) -> str:
     """How `marsi validate` names an agent or critic in its host's line."""
     if name not in config.agents:
-        return f"{name} (critic, {'a head on the agent' if config.critic.model == 'agent' else config.critic.model})"
+        model = critic_settings(config).model
+        return f"{name} (critic, {'a head on the agent' if model == 'agent' else model})"
     adapter = config.agents[name].adapter
     return f"{name} (adapter r={adapter.rank})" if adapter else name
 
@@ -334,7 +335,7 @@ def _print_precision(config, joins: str | None) -> None:
     here = {kind: capabilities(kind) for kind in ("cpu", "cuda") if kind == "cpu" or torch.cuda.is_available()}
     cells = []
     for name, agent in config.agents.items():
-        caps = here.get("cuda" if agent.resources.num_gpus > 0 else "cpu")
+        caps = here.get("cuda" if agent_resources(config, name).num_gpus > 0 else "cpu")
         if caps is None:
             cells.append(f"{name}: {agent.dtype} (decided on the trainer's GPU at start; this machine has none)")
             continue

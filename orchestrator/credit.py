@@ -64,7 +64,7 @@ class CriticCredit:
     """Advantages and value targets of a step's episodes, from the run's critics."""
 
     def __init__(self, config: RunConfig, plan: RunPlan):
-        self.algorithm, self.critic = config.algorithm, config.critic
+        self.algorithm, self.critic = config.algorithm, plan.critic
         self.critics = plan.critic_members
         self.critic_of = {agent: name for name, agents in self.critics.items() for agent in agents}
 

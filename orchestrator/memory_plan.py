@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from agent_trainer.agent import Agent
 from agent_trainer.handle import TrainerPool
 from orchestrator.schedule import Schedule
-from protocols.config import RunConfig
+from protocols.config import RunConfig, agent_resources
 from protocols.messages import OptimizerRequest
 
 
@@ -75,7 +75,8 @@ def estimate(config: RunConfig, counts: dict[str, tuple[int, int]]) -> tuple[dic
     sizes, base = {}, {}
     for name, agent in config.agents.items():
         total, trainable = counts[name]
-        dtype = agent.dtype if agent.dtype != "auto" else "bfloat16" if agent.resources.num_gpus > 0 else "float32"
+        gpu = agent_resources(config, name).num_gpus > 0
+        dtype = agent.dtype if agent.dtype != "auto" else "bfloat16" if gpu else "float32"
         width = 4 if dtype == "float32" else 2
         engine = total * width if agent.rollout.engine == "vllm" else 0
         trains = name not in config.schedule.frozen

@@ -10,7 +10,7 @@ from pathlib import Path
 from agent_trainer import storage
 from orchestrator.checkpoints import no_checkpoint
 from orchestrator.runlog import RunLog
-from protocols.config import RunConfig
+from protocols.config import RunConfig, critic_settings
 from protocols.errors import UserError
 from protocols.messages import Location
 
@@ -53,7 +53,7 @@ def check_resume(config: RunConfig, stored: RunConfig, log: RunLog) -> None:
 
 
 def _critic_label(config: RunConfig) -> str:
-    critic = config.critic
+    critic = critic_settings(config)
     return f"critic.kind {critic.kind}, critic.model {critic.model}" if critic else "none"
 
 

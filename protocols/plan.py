@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from protocols.config import (
-    ResourcesConfig, RunConfig, critic_host_agent, critic_members, engine_cache_sizes, host_layout, host_resources,
-    member_layout,
+    CriticConfig, ResourcesConfig, RunConfig, critic_host_agent, critic_members, critic_settings, engine_cache_sizes,
+    host_layout, host_resources, member_layout,
 )
 
 
@@ -20,6 +20,9 @@ from protocols.config import (
 class RunPlan:
     host_layout: dict[str, list[str]]
     """Host name -> the agents it holds, in declaration order (`protocols.config.host_layout`)."""
+    critic: CriticConfig | None
+    """The critics' settings: the `critic` section, or its defaults with `algorithm.baseline: critic` and no section;
+    None without a critic."""
     critic_members: dict[str, list[str]]
     """Critic name -> the agents whose actions it values; empty without a critic."""
     critic_host_agents: dict[str, str | None]
@@ -41,6 +44,7 @@ def plan_of(config: RunConfig) -> RunPlan:
     critics = critic_members(config)
     return RunPlan(
         host_layout=host_layout(config),
+        critic=critic_settings(config),
         critic_members=critics,
         critic_host_agents={name: critic_host_agent(config, name) for name in critics},
         member_layout=member_layout(config),

@@ -10,7 +10,7 @@ import pytest
 from orchestrator.advantages import decision_rewards, gae, normalised_per_agent
 from orchestrator.credit import CriticCredit, critic_state
 from orchestrator.rollout import Action, Episode, RecordedRoles, Turn
-from protocols.config import ConfigError, validate_config
+from protocols.config import ConfigError, CriticConfig, validate_config
 from protocols.messages import Completion
 from protocols.plan import plan_of
 from tests.envs import LetterEnv, config
@@ -191,7 +191,8 @@ def test_critic_credit_scores_each_chain_with_its_critic_and_bootstraps_a_trunca
 def test_critic_config_places_each_critic_and_refuses_what_does_not_fit():
     base = config(algorithm={"baseline": "critic"})
     cfg = validate_config(base)
-    assert cfg.critic.kind == "central" and plan_of(cfg).critic_members == {"critic": ["a", "b"]}
+    assert cfg.critic is None and plan_of(cfg).critic == CriticConfig()  # the defaults, derived, not written in
+    assert plan_of(cfg).critic.kind == "central" and plan_of(cfg).critic_members == {"critic": ["a", "b"]}
     assert plan_of(cfg).member_layout == {"a": ["a"], "b": ["b"], "critic": ["critic"]}
     per = validate_config({**base, "critic": {"kind": "per_agent", "placement": "agent", "model": "agent"}})
     assert plan_of(per).member_layout == {"a": ["a", "critic-a"], "b": ["b", "critic-b"]}

@@ -495,11 +495,22 @@ def test_with_tis_the_ppo_ratio_is_taken_against_the_learners_own_log_probs():
     assert against_learner.clip_fraction == 0.0
 
 
-def test_tis_defaults_on_for_vllm_and_off_for_hf():
-    from protocols.config import RolloutConfig
+def test_tis_defaults_on_for_vllm_and_stale_actions_and_off_for_hf():
+    from protocols.config import RolloutConfig, tis_cap_of, validate_config
+    from protocols.plan import plan_of
 
-    assert RolloutConfig().tis_cap is None and RolloutConfig(engine="vllm").tis_cap == 2.0
-    assert RolloutConfig(engine="vllm", tis_cap=None).tis_cap is None and RolloutConfig(tis_cap=3.0).tis_cap == 3.0
+    assert tis_cap_of(RolloutConfig(), 0) is None and tis_cap_of(RolloutConfig(engine="vllm"), 0) == 2.0
+    assert tis_cap_of(RolloutConfig(), 1) == 2.0  # actions that may be a version behind
+    assert tis_cap_of(RolloutConfig(engine="vllm", tis_cap=None), 1) is None and tis_cap_of(RolloutConfig(tis_cap=3.0), 0) == 3.0
+    # the run's plan gives each trainer its bound; the config keeps what was written ("auto"), so a stored config
+    # read back on resume means the same
+    raw = config(("a", "b"), train={"max_staleness": 1})
+    raw["agents"]["b"]["rollout"] = {"max_staleness": 0}
+    cfg = validate_config(raw)
+    assert {a: spec.rollout.tis_cap for a, spec in cfg.agents.items()} == {"a": "auto", "b": "auto"}
+    bounds = plan_of(cfg).staleness_bounds
+    assert {a: tis_cap_of(spec.rollout, bounds[a]) for a, spec in cfg.agents.items()} == {"a": 2.0, "b": None}
+    assert validate_config(cfg.model_dump(mode="json")) == cfg
 
 
 # ------------------------------------------------------------------------------------ smaller

@@ -19,19 +19,19 @@ from protocols.config.algorithm import (
 from protocols.config.base import ConfigError, unknown_agent, with_field_docs
 from protocols.config.cluster import RayConfig, ResourcesConfig, joins_cluster, label_matches, label_selector_problem
 from protocols.config.critic import (
-    CENTRAL_CRITIC, CriticConfig, critic_host_agent, critic_members, critic_problem, default_critic,
+    CENTRAL_CRITIC, CriticConfig, critic_host_agent, critic_members, critic_problem, critic_settings,
 )
 from protocols.config.data import DataConfig, EvalConfig, eval_problem
 from protocols.config.environment import (
     EnvironmentConfig, RolesConfig, ScheduleConfig, attempts_value_problem, roles_problem, schedule_problem,
 )
 from protocols.config.hosts import (
-    adapter_problem, host_layout, host_resources, hosted_resources, hosts_problem, member_layout,
+    adapter_problem, agent_resources, host_layout, host_resources, hosts_problem, member_layout,
     placement_strategy_problem,
 )
 from protocols.config.loading import apply_overrides, load_config, validate_config
 from protocols.config.rollout import (
-    RolloutConfig, VLLMConfig, engine_cache_sizes, rollout_problem, separate_engine_problem, stale_tis_caps,
+    RolloutConfig, VLLMConfig, engine_cache_sizes, rollout_problem, separate_engine_problem, tis_cap_of,
 )
 from protocols.config.run import CROSS_CHECKS, RunConfig
 from protocols.config.train import STORAGE_SCHEMES, LoggingConfig, TrainConfig, credentials_problem, storage_problem
@@ -41,11 +41,11 @@ __all__ = [
     "AgentConfig", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "EnvironmentConfig", "EvalConfig",
     "GenerationConfig", "GroupBy", "HostConfig", "LoggingConfig", "OptimizerConfig", "RayConfig", "ResourcesConfig",
     "RolesConfig", "RolloutConfig", "RunConfig", "ScheduleConfig", "TrainConfig", "VLLMConfig", "adapter_problem",
-    "agents_problem", "algorithm_problem", "apply_overrides", "attempts_value_problem", "credentials_problem",
-    "critic_host_agent", "critic_members", "critic_problem", "default_critic", "engine_cache_sizes",
-    "engine_settings_problem", "eval_problem", "host_layout", "host_resources", "hosted_resources", "hosts_problem",
+    "agent_resources", "agents_problem", "algorithm_problem", "apply_overrides", "attempts_value_problem", "credentials_problem",
+    "critic_host_agent", "critic_members", "critic_problem", "critic_settings", "engine_cache_sizes",
+    "engine_settings_problem", "eval_problem", "host_layout", "host_resources", "hosts_problem",
     "joins_cluster", "label_matches", "label_selector_problem", "load_config", "member_layout",
     "placement_strategy_problem", "roles_problem", "rollout_problem", "rotation_groups_problem", "schedule_problem",
-    "separate_engine_problem", "stale_tis_caps", "storage_problem", "unknown_agent", "validate_config",
+    "separate_engine_problem", "storage_problem", "tis_cap_of", "unknown_agent", "validate_config",
     "workers_problem", "with_field_docs",
 ]

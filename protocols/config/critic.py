@@ -72,10 +72,18 @@ CENTRAL_CRITIC = "critic"
 """The name of the central critic (`critic.kind: central`); a per-agent critic is `critic-AGENT`."""
 
 
+def critic_settings(config: RunConfig) -> CriticConfig | None:
+    """The run's critic settings: the `critic` section, or its defaults when `algorithm.baseline: critic` comes
+    without it; None without a critic."""
+    if config.critic is None and config.algorithm.baseline == "critic":
+        return CriticConfig()
+    return config.critic
+
+
 def critic_members(config: RunConfig) -> dict[str, list[str]]:
     """Critic name -> the agents whose actions it values: one per trainable agent (`per_agent`), or one for
     every agent (`central`); empty without a critic."""
-    critic = config.critic
+    critic = critic_settings(config)
     if critic is None:
         return {}
     trainable = [a for a in config.agents if a not in config.schedule.frozen]
@@ -86,27 +94,23 @@ def critic_members(config: RunConfig) -> dict[str, list[str]]:
 
 def critic_host_agent(config: RunConfig, critic: str) -> str | None:
     """The agent whose host holds `critic` (`placement: agent`), or None (a host of its own, named after it)."""
-    if config.critic.placement == "own":
+    settings = critic_settings(config)
+    if settings.placement == "own":
         return None
-    if config.critic.kind == "central":
-        return config.critic.agent or next(iter(config.agents))
+    if settings.kind == "central":
+        return settings.agent or next(iter(config.agents))
     return critic_members(config)[critic][0]
-
-
-def default_critic(config: RunConfig) -> None:
-    """Give the run the `critic` section's defaults when `algorithm.baseline: critic` comes without it."""
-    if config.algorithm.baseline == "critic" and config.critic is None:
-        config.critic = CriticConfig()
 
 
 def critic_problem(config: RunConfig) -> str | None:
     """Why the `critic` section does not fit the run, naming the keys and the fix, or None."""
-    baseline, critic = config.algorithm.baseline, config.critic
-    if critic is None:
-        return None
-    if baseline != "critic":
+    baseline = config.algorithm.baseline
+    if config.critic is not None and baseline != "critic":
         return (f"critic: given, but algorithm.baseline is {baseline!r}, which uses no critic; set "
                 "algorithm.baseline: critic or remove the critic section")
+    critic = critic_settings(config)
+    if critic is None:
+        return None
     if critic.agent is not None and critic.agent not in config.agents:
         return f"critic.agent: agent {critic.agent!r} is not defined; defined agents: {', '.join(config.agents)}"
     if config.train.max_staleness > 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from protocols.config.critic import critic_host_agent, critic_members
+from protocols.config.critic import critic_host_agent, critic_members, critic_settings
 from protocols.config.cluster import ResourcesConfig
 
 if TYPE_CHECKING:
@@ -32,9 +32,16 @@ def member_layout(config: RunConfig) -> dict[str, list[str]]:
     return layout
 
 
+def agent_resources(config: RunConfig, name: str) -> ResourcesConfig:
+    """What agent `name` runs on: its shared host's resources (`hosts.HOST.resources`) where it has `host`, else
+    its own (`agents.NAME.resources`)."""
+    agent = config.agents[name]
+    return config.hosts[agent.host].resources if agent.host is not None else agent.resources
+
+
 def host_resources(config: RunConfig) -> dict[str, ResourcesConfig]:
-    """Host name -> what it asks of the cluster: its first agent's resources, or a critic's own."""
-    return {host: config.agents[names[0]].resources if names[0] in config.agents else config.critic.resources
+    """Host name -> what it asks of the cluster: its agents' resources (`agent_resources`), or a critic's own."""
+    return {host: agent_resources(config, names[0]) if names[0] in config.agents else critic_settings(config).resources
             for host, names in member_layout(config).items()}
 
 
@@ -55,7 +62,8 @@ def hosts_problem(config: RunConfig) -> str | None:
         if agent.host not in config.hosts:
             return (f"agents.{name}.host: host {agent.host!r} is not defined; defined hosts: "
                     f"{', '.join(config.hosts) or '(none)'}; add hosts.{agent.host}: {{resources: ...}}")
-        if "resources" in agent.model_fields_set and agent.resources != config.hosts[agent.host].resources:
+        if "resources" in agent.model_fields_set and agent.resources not in (ResourcesConfig(),
+                                                                            config.hosts[agent.host].resources):
             return (f"agents.{name}.resources: agent {name!r} lives on host {agent.host!r}, whose resources are "
                     f"hosts.{agent.host}.resources; remove agents.{name}.resources")
     for host, spec in config.hosts.items():
@@ -115,10 +123,3 @@ def placement_strategy_problem(config: RunConfig) -> str | None:
                 f"{own[0]}.resources.placement_strategy places that agent's workers as a group of their own; "
                 f"set ray.placement_strategy to PACK or SPREAD, or remove {own[0]}.resources.placement_strategy")
     return None
-
-
-def hosted_resources(config: RunConfig) -> None:
-    """Give each agent that lives on a shared host that host's resources (`hosts.NAME.resources`), which it runs on."""
-    for agent in config.agents.values():
-        if agent.host is not None:
-            agent.resources = config.hosts[agent.host].resources

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from protocols.config.base import _Strict
 from protocols.config.cluster import ResourcesConfig
@@ -53,12 +53,13 @@ class RolloutConfig(_Strict):
     weights, synced after every update (needs the `vllm` extra)."""
     vllm: VLLMConfig | None = None
     """vLLM engine settings (engine: vllm); None: the defaults."""
-    tis_cap: float | None = Field(None, ge=1.0)
+    tis_cap: float | Literal["auto"] | None = "auto"
     """Truncated importance sampling: every token's policy-gradient term is weighted by
     min(exp(trainer log-prob - behaviour log-prob), tis_cap), the trainer's log-prob taken before the update,
     correcting for an engine whose log-probs differ from the trainer's, or for actions drawn by an older policy
-    version (asynchronous rollouts). Unset: 2.0 with engine vllm or a max_staleness above 0, else off (hf's
-    behaviour log-probs come from the learner's own model). None: off."""
+    version (asynchronous rollouts). `auto`: 2.0 with engine vllm or with actions that may be stale (this agent's
+    `max_staleness`, else `train.max_staleness`, above 0), else off (hf's behaviour log-probs come from the
+    learner's own model; `tis_cap_of`). None: off."""
 
     placement: Literal["colocated", "separate"] = "colocated"
     """Where the engine samples: `colocated`, in the agent's trainer process (the learner's weights, or beside them);
@@ -74,13 +75,22 @@ class RolloutConfig(_Strict):
     None: `train.max_staleness`. At most `train.max_staleness`, which sets how far rollouts run ahead (see
     docs/roles-and-schedules.md, "Asynchronous rollouts")."""
 
+    @field_validator("tis_cap", mode="before")
+    @classmethod
+    def _tis_cap(cls, value):
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("Input should be a number of at least 1, auto or null")
+        if not value >= 1.0:
+            raise ValueError("Input should be greater than or equal to 1")
+        return float(value)
+
     @model_validator(mode="after")
     def _engine_defaults(self) -> RolloutConfig:
         if self.engine == "vllm":
             if self.vllm is None:
                 self.vllm = VLLMConfig()
-            if "tis_cap" not in self.model_fields_set:
-                self.tis_cap = 2.0
         return self
 
 
@@ -117,13 +127,12 @@ def rollout_problem(name: str, agent: AgentConfig, config: RunConfig) -> str | N
     return None
 
 
-def stale_tis_caps(config: RunConfig) -> None:
-    """Give `rollout.tis_cap` its default of 2.0 on each agent whose actions may be stale (its own or the run's
-    max_staleness above 0), where it is not set: they are weighted against the policy that drew them."""
-    for agent in config.agents.values():
-        own = agent.rollout.max_staleness
-        if "tis_cap" not in agent.rollout.model_fields_set and (own if own is not None else config.train.max_staleness):
-            agent.rollout.tis_cap = 2.0
+def tis_cap_of(rollout: RolloutConfig, staleness_bound: int) -> float | None:
+    """The truncation cap an agent's update uses: its `rollout.tis_cap`, with `auto` resolved from its engine and
+    its staleness bound (`protocols.plan.RunPlan.staleness_bounds`); None: no importance weights."""
+    if rollout.tis_cap != "auto":
+        return rollout.tis_cap
+    return 2.0 if rollout.engine == "vllm" or staleness_bound > 0 else None
 
 
 def engine_cache_sizes(config: RunConfig) -> dict[str, int]:

@@ -9,13 +9,12 @@ from protocols.config.agents import AgentConfig, HostConfig, agents_problem
 from protocols.config.algorithm import AlgorithmConfig, algorithm_problem, rotation_groups_problem
 from protocols.config.base import _Strict
 from protocols.config.cluster import RayConfig
-from protocols.config.critic import CriticConfig, critic_problem, default_critic
+from protocols.config.critic import CriticConfig, critic_problem
 from protocols.config.data import DataConfig, EvalConfig, eval_problem
 from protocols.config.environment import (
     EnvironmentConfig, RolesConfig, ScheduleConfig, roles_problem, schedule_problem,
 )
-from protocols.config.hosts import hosted_resources, hosts_problem, placement_strategy_problem
-from protocols.config.rollout import stale_tis_caps
+from protocols.config.hosts import hosts_problem, placement_strategy_problem
 from protocols.config.train import LoggingConfig, TrainConfig
 
 
@@ -43,13 +42,8 @@ class RunConfig(_Strict):
     hosts: dict[str, HostConfig] = {}
     """Host name -> its resources: processes that several adapter agents share (`agents.NAME.host`)."""
     critic: CriticConfig | None = None
-    """The learned value function of `algorithm.baseline: critic` (its defaults when that baseline is chosen
-    without this section); None otherwise."""
-
-    @model_validator(mode="after")
-    def _critic_defaults(self) -> RunConfig:
-        default_critic(self)
-        return self
+    """The learned value function of `algorithm.baseline: critic`; None: its defaults with that baseline
+    (`critic_settings`), none otherwise."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
@@ -57,12 +51,6 @@ class RunConfig(_Strict):
             problem = check(self)
             if problem:
                 raise ValueError(problem)
-        return self
-
-    @model_validator(mode="after")
-    def _settings_from_other_sections(self) -> RunConfig:
-        stale_tis_caps(self)
-        hosted_resources(self)
         return self
 
 
