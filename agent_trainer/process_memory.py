@@ -22,18 +22,30 @@ from pathlib import Path
 from protocols.messages import MemoryReading
 
 _STATUS, _CLEAR = Path("/proc/self/status"), Path("/proc/self/clear_refs")
-_lock = threading.Lock()
-_last: tuple[int, MemoryReading] | None = None  # (step, its reading) of this process
+
+
+class _Readings:
+    """The reading of this process's latest step: agents sharing the process all get it for that step."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.step: int | None = None
+        self.last: MemoryReading | None = None
+
+    def of(self, step: int) -> MemoryReading:
+        with self.lock:
+            if self.last is None or self.step != step:
+                self.step, self.last = step, MemoryReading(processes=[os.getpid()], peak_bytes=_resident_peak(),
+                                                           device_peak_bytes=_device_peak())
+            return self.last
+
+
+_readings = _Readings()
 
 
 def reading(step: int) -> MemoryReading:
     """This process's peak memory since the reading of an earlier step (the same reading again for `step`)."""
-    global _last
-    with _lock:
-        if _last is None or _last[0] != step:
-            _last = step, MemoryReading(processes=[os.getpid()], peak_bytes=_resident_peak(),
-                                        device_peak_bytes=_device_peak())
-        return _last[1]
+    return _readings.of(step)
 
 
 def _resident_peak() -> int:

@@ -37,3 +37,10 @@ def test_no_library_file_is_over_600_lines():
     long = {str(p.relative_to(ROOT)): n for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > 600}
     assert not long, f"over 600 lines: {long}"
+
+
+def test_no_library_module_rebinds_module_state_with_global():
+    """Process-wide settings hide who owns them: state lives in objects that are handed on (`global` nowhere)."""
+    found = [f"{p.relative_to(ROOT)}:{node.lineno}" for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
+             for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.Global)]
+    assert not found, f"global statements: {found}"
