@@ -113,7 +113,10 @@ class Checkpoints:
         by default from the newest checkpoint that is intact, falling back to older ones (and saying so)
         when the newest is damaged (a missing, truncated or altered file). A trainer that dies or hangs while
         loading is a trainer failure (see `recover`), not damage."""
-        candidates = [as_checkpoint(path, self.config.train.storage_timeout_s)] if path is not None else list(reversed(self.log.checkpoints()))
+        if path is not None:
+            candidates = [as_checkpoint(path, self.config.train.storage_timeout_s)]
+        else:
+            candidates = list(reversed(self.log.checkpoints()))
         if not candidates:
             raise FileNotFoundError(no_checkpoint(self.log))
         for i, candidate in enumerate(candidates):

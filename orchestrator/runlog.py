@@ -49,7 +49,7 @@ from orchestrator.checkpoint_files import (
 )
 from orchestrator.lease import Lease
 from orchestrator.loggers import Logger, missing_extra, open_loggers
-from protocols.config import LoggingConfig, RunConfig
+from protocols.config import LoggingConfig, RunConfig, stored_form
 from protocols.errors import UserError
 from protocols.messages import DEFAULT_STORE_DEADLINE_S, Location
 
@@ -117,8 +117,9 @@ class RunLog:
         by default as its config.yaml records."""
         self.dir = Path(run_dir)
         self.logging = logging or LoggingConfig()
-        self.storage = storage if storage is not None else recorded_storage(self.dir)
-        self.deadline_s = recorded_deadline(self.dir) if isinstance(deadline_s, Recorded) else deadline_s
+        recorded = _recorded_train(self.dir) if storage is None or isinstance(deadline_s, Recorded) else {}
+        self.storage = storage if storage is not None else _recorded_storage(recorded)
+        self.deadline_s = _recorded_deadline(recorded) if isinstance(deadline_s, Recorded) else deadline_s
         self._place = recorded_place(self.dir, self.deadline_s) if self.storage is not None else None
         self.loggers: list[Logger] = []  # TensorBoard, W&B: opened by claim()
         self.lease: Lease | None = None  # with train.storage: this process's lease of the run's place, from claim()
@@ -286,7 +287,7 @@ class RunLog:
 
     # ------------------------------------------------------------------------------------ records
     def write_config(self, config: RunConfig) -> None:
-        (self.dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        (self.dir / "config.yaml").write_text(yaml.safe_dump(stored_form(config), sort_keys=False))
 
     def snapshot_sources(self, specs: list[str | None]) -> None:
         """Copy the source files of the environment and data factory beside config.yaml (RUN_DIR/source/), so
@@ -477,17 +478,19 @@ def _recorded_train(run_dir: Path) -> dict:
     return train if isinstance(train, dict) else {}
 
 
-def recorded_storage(run_dir: Path) -> str | None:
-    """The train.storage a run directory's config.yaml records (None: none, or no config yet)."""
-    value = _recorded_train(run_dir).get("storage")
+def _recorded_storage(train: dict) -> str | None:
+    """The train.storage of a recorded train section (None: none)."""
+    value = train.get("storage")
     return value if isinstance(value, str) else None
 
 
-def recorded_deadline(run_dir: Path) -> float | None:
-    """The train.storage_timeout_s a run directory's config.yaml records (its default where none is)."""
-    train = _recorded_train(run_dir)
+def _recorded_deadline(train: dict) -> float | None:
+    """The train.storage_timeout_s of a recorded train section (its default where none is, or one that is no
+    positive number of seconds)."""
     value = train.get("storage_timeout_s", DEFAULT_STORE_DEADLINE_S)
-    return value if value is None or (isinstance(value, (int, float)) and value > 0) else DEFAULT_STORE_DEADLINE_S
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+        return value
+    return DEFAULT_STORE_DEADLINE_S
 
 
 def _source_file(spec: str) -> Path | None:

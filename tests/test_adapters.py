@@ -209,14 +209,15 @@ def test_bad_host_and_adapter_settings_are_one_line_errors(case, change):
 def test_a_hosted_agent_runs_on_its_hosts_resources_and_its_config_reads_back_as_written():
     """Validation fills nothing in: the host's resources are derived (`agent_resources`, the plan), and the stored
     config of a run (every field written out) validates again to the same config, as on resume."""
-    from protocols.config import ResourcesConfig, agent_resources
+    from protocols.config import ResourcesConfig, agent_resources, stored_form
     from protocols.plan import plan_of
 
     cfg = validate_config(shared_host_config())
     assert all(cfg.agents[a].resources == ResourcesConfig() for a in AGENTS)  # as written: not given
     assert {a: agent_resources(cfg, a).num_cpus for a in AGENTS} == {"a": 0.5, "b": 0.5, "c": 0.5}
     assert plan_of(cfg).host_resources == {"h": cfg.hosts["h"].resources}
-    assert validate_config(cfg.model_dump(mode="json")) == cfg
+    assert "resources" not in stored_form(cfg)["agents"]["a"]  # the host's: a stored config does not repeat them
+    assert validate_config(stored_form(cfg)) == cfg
 
 
 def test_evaluation_partners_of_adapter_agents_get_a_host_of_their_own(tmp_path):

@@ -496,7 +496,7 @@ def test_with_tis_the_ppo_ratio_is_taken_against_the_learners_own_log_probs():
 
 
 def test_tis_defaults_on_for_vllm_and_stale_actions_and_off_for_hf():
-    from protocols.config import RolloutConfig, tis_cap_of, validate_config
+    from protocols.config import RolloutConfig, stored_form, tis_cap_of, validate_config
     from protocols.plan import plan_of
 
     assert tis_cap_of(RolloutConfig(), 0) is None and tis_cap_of(RolloutConfig(engine="vllm"), 0) == 2.0
@@ -510,7 +510,7 @@ def test_tis_defaults_on_for_vllm_and_stale_actions_and_off_for_hf():
     assert {a: spec.rollout.tis_cap for a, spec in cfg.agents.items()} == {"a": "auto", "b": "auto"}
     bounds = plan_of(cfg).staleness_bounds
     assert {a: tis_cap_of(spec.rollout, bounds[a]) for a, spec in cfg.agents.items()} == {"a": 2.0, "b": None}
-    assert validate_config(cfg.model_dump(mode="json")) == cfg
+    assert validate_config(stored_form(cfg)) == cfg
 
 
 # ------------------------------------------------------------------------------------ smaller

@@ -62,8 +62,7 @@ def hosts_problem(config: RunConfig) -> str | None:
         if agent.host not in config.hosts:
             return (f"agents.{name}.host: host {agent.host!r} is not defined; defined hosts: "
                     f"{', '.join(config.hosts) or '(none)'}; add hosts.{agent.host}: {{resources: ...}}")
-        if "resources" in agent.model_fields_set and agent.resources not in (ResourcesConfig(),
-                                                                            config.hosts[agent.host].resources):
+        if "resources" in agent.model_fields_set and agent.resources != config.hosts[agent.host].resources:
             return (f"agents.{name}.resources: agent {name!r} lives on host {agent.host!r}, whose resources are "
                     f"hosts.{agent.host}.resources; remove agents.{name}.resources")
     for host, spec in config.hosts.items():

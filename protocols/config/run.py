@@ -57,3 +57,14 @@ class RunConfig(_Strict):
 CROSS_CHECKS = (agents_problem, hosts_problem, placement_strategy_problem, roles_problem, schedule_problem,
                 algorithm_problem, critic_problem, eval_problem, rotation_groups_problem)
 """The checks that need several sections, each beside the section it is about, in the order they are made."""
+
+
+def stored_form(config: RunConfig) -> dict:
+    """The config as a run directory stores it (config.yaml), which validates back to `config`: every setting
+    written out, its defaults too, so that a resumed run keeps them; an agent on a shared host leaves out its
+    `resources` unless they were given (it runs on `hosts.HOST.resources`)."""
+    raw = config.model_dump(mode="json")
+    for name, agent in config.agents.items():
+        if agent.host is not None and "resources" not in agent.model_fields_set:
+            del raw["agents"][name]["resources"]
+    return raw
