@@ -56,6 +56,7 @@ class StepLoop:
     def __init__(self, coord: Primitives, until: int):
         self.coord, self.until = coord, until
         self.failed_at: float | None = None  # when the last trainer failure was caught, until a step logs it
+        self.unsaved = False  # a step was logged after the newest checkpoint
 
     def run(self) -> list[dict[str, Any]]:
         """The metrics of the steps run here (those a recovery replays, once)."""
@@ -75,6 +76,7 @@ class StepLoop:
                     self.failed_at = time.perf_counter()
                     rollouts.close()
                     coord.recover(failure)  # back to the last checkpoint; its later steps are replayed
+                    self.unsaved = False
                     coord.checkpoints.with_recovery(lambda: coord.memory.prepare(coord.pool, coord.state.step, start=True))
                     rollouts = self.rollouts()
                     history = [m for m in history if m["step"] <= coord.state.step]
@@ -83,6 +85,8 @@ class StepLoop:
                     continue
                 history.append(metrics)
                 show_step(bar, metrics)
+            if coord.stop_requested and self.unsaved:  # asked after this step's checkpoint was decided against
+                self.save(rollouts)
             rollouts.hand_over()  # what a later run() or checkpoint continues from
         finally:
             rollouts.close()
@@ -124,15 +128,21 @@ class StepLoop:
         if self.failed_at is not None:
             metrics["time/recovery"], self.failed_at = time.perf_counter() - self.failed_at, None
         coord.log_step(metrics, episodes)
+        self.unsaved = coord.log is not None
         # evaluate (before the checkpoint: a kill during it replays the step and the evaluation)
         if coord.evaluation is not None and coord.evaluation.due(state.step):
             coord.evaluate()
         # checkpoint
         every, at_end = cfg.checkpoint_every, state.step == cfg.steps or coord.stop_requested
         if coord.log is not None and ((every and state.step % every == 0) or at_end):
-            rollouts.hand_over()
-            coord.checkpoints.save()
+            self.save(rollouts)
         return metrics
+
+    def save(self, rollouts: SyncRollouts | AsyncRollouts) -> None:
+        """A checkpoint of the step just done, with the rollouts played ahead of it."""
+        rollouts.hand_over()
+        self.coord.checkpoints.save()
+        self.unsaved = False
 
     def begin(self) -> None:
         """Before the first step: a checkpoint to restart from (step 0), the evaluation due at the current step

@@ -110,6 +110,23 @@ def test_a_run_directory_left_by_a_cut_off_write_of_earlier_marsi_resumes(tmp_pa
     assert without_times(rows(run_dir)) == uninterrupted
 
 
+def test_a_stop_asked_after_the_steps_checkpoint_was_decided_still_checkpoints_that_step(tmp_path, monkeypatch):
+    """A stop request (SIGTERM) that lands after a step decided it needs no checkpoint, before the loop looks at the
+    request again: the run still ends with a checkpoint of the step it stopped at."""
+    from orchestrator import step_loop
+
+    shown = step_loop.show_step
+    with Coordinator(validate_config(raw_config(checkpoint_every=0)), tmp_path) as coord:
+        def show_then_stop(bar, metrics):
+            shown(bar, metrics)
+            coord.request_stop()
+
+        monkeypatch.setattr(step_loop, "show_step", show_then_stop)
+        coord.run()
+        assert coord.state.step == 1
+    assert RunLog(tmp_path).latest_checkpoint().name == "step-000001"
+
+
 def test_sigterm_stops_at_a_safe_point_with_a_checkpoint(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     raw = raw_config(checkpoint_every=0)
