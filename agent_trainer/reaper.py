@@ -156,17 +156,22 @@ def _signal(pid: int, sig: int) -> None:
 class Goodbye:
     """Reads the watcher's stdin: whether the driver said it exits normally. The driver's end of the pipe closes
     when the driver exits, before this process gets its new parent, so once `os.getppid()` changed the answer is
-    final (`said`)."""
+    final (`said`). The file descriptor is read directly: a thread blocked in `sys.stdin`'s buffered reader holds
+    its lock, and a watcher exiting while its driver lives (after `ray.shutdown()`) would then die with a fatal
+    error at interpreter shutdown."""
 
-    def __init__(self, stream):
+    def __init__(self, fd: int):
         self.heard = threading.Event()
-        self.reader = threading.Thread(target=self._read, args=(stream,), name="goodbye", daemon=True)
+        self.reader = threading.Thread(target=self._read, args=(fd,), name="goodbye", daemon=True)
         self.reader.start()
 
-    def _read(self, stream) -> None:
-        for line in stream:
-            if line == GOODBYE:
+    def _read(self, fd: int) -> None:
+        received = b""
+        while chunk := os.read(fd, 4096):
+            received += chunk
+            if GOODBYE in received:
                 self.heard.set()
+                return
 
     def said(self) -> bool:
         self.reader.join(timeout=2.0)  # at end of file at once: the driver is gone
@@ -175,7 +180,7 @@ class Goodbye:
 
 def run(driver: int, session_dir: str) -> int:
     """Watch the cluster of `session_dir` started by `driver`; end its processes if the driver dies first."""
-    goodbye = Goodbye(sys.stdin.buffer)
+    goodbye = Goodbye(sys.stdin.fileno())
     table = process_table()
     roots = cluster_roots(driver, session_dir, table)
     known = with_descendants(roots, table)

@@ -132,6 +132,10 @@ def test_the_watcher_exits_when_the_cluster_is_shut_down_and_the_driver_lives(tm
         wait_until(lambda: not live(watcher), 20, "the watcher outlived the cluster")
         assert not live(grandchild)  # a straggler of the cluster is killed after the grace period
         assert driver.poll() is None and live(other)
+        kill_all([driver.pid, other])
+        driver.wait(timeout=30)
+        err = driver.stderr.read()
+        assert err == "", err  # the watcher says nothing, and exits cleanly while the driver still holds its stdin
     finally:
         kill_all([driver.pid, root, grandchild, other, watcher])
 
