@@ -3,6 +3,7 @@
     .venv/bin/pip install -e ".[bench]"      # once: the reference library
     python benchmarks/vs_comlrl.py [--models builtin:tiny,builtin:smollm2-135m-instruct] [--steps N]
         [--block K] [--batch B] [--group 4] [--tokens T] [--lr LR] [--threads 2] [--comlrl-threads 2,1]
+        [--dtype float32|bfloat16|auto]
 
 Both train two agents (two copies of the same model files) on `bench_common.TeamEnv`: each agent is
 told a letter with its own verb, and the shared reward (`bench_common.team_reward`, the one function
@@ -62,6 +63,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads of marsi, split between its 2 actors")
     parser.add_argument("--comlrl-threads", help="CoMLRL torch thread counts to run, e.g. 2 or 1,2 (default per model)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                        help="marsi's dtype (CoMLRL stays float32): float32 runs the same computation in both; auto "
+                             "is marsi's default, which measures this CPU and the model and picks")
     args = parser.parse_args()
 
     print(f"marsi vs CoMLRL, 2 agents, one turn; before: {bc.load_line()}")
@@ -102,9 +106,9 @@ def compare(model: str, args, *, steps: int, block: int, batch: int, tokens: int
     path = resolve_model_path(model)
     print(f"\n== {model} ({path})\n   {steps} steps of {batch} samples x {group} completions per agent, "
           f"{tokens} new tokens, lr {lr:g}, blocks of {block} steps; marsi: 2 Ray actors x {threads // 2} torch "
-          f"thread(s); CoMLRL: this process, {' then '.join(map(str, comlrl_threads))} torch thread(s) in turn per block")
+          f"thread(s), dtype {args.dtype}; CoMLRL: this process, {' then '.join(map(str, comlrl_threads))} torch thread(s) in turn per block")
     config = bc.marsi_config(num_agents=2, model=model, batch_size=batch, group=group, tokens=tokens, lr=lr,
-                             steps=steps, ray=True, seed=args.seed, num_cpus=threads / 2)
+                             steps=steps, ray=True, seed=args.seed, num_cpus=threads / 2, dtype=args.dtype)
     samples = bc.task_rows(steps * batch, args.seed)  # marsi reads the same rows, unshuffled
     seconds = {"marsi": [], **{f"CoMLRL {t}T": [] for t in comlrl_threads}}
     rewards = {"marsi": [], "CoMLRL": []}
