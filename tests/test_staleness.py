@@ -246,7 +246,7 @@ def test_an_async_run_whose_trainer_dies_restarts_and_ends_as_if_uninterrupted(r
 
 
 @pytest.mark.fast
-def test_a_separate_engine_needs_ray_the_hf_engine_and_a_full_model_agent_of_its_own():
+def test_a_separate_engine_needs_ray_and_a_full_model_agent_of_its_own():
     raw = config(train={"max_staleness": 1})
     raw["agents"]["a"]["rollout"] = {"placement": "separate"}
     with pytest.raises(ConfigError, match=r"agents\.a\.rollout\.placement: separate runs the engine in a process of "
@@ -254,8 +254,12 @@ def test_a_separate_engine_needs_ray_the_hf_engine_and_a_full_model_agent_of_its
         validate_config(raw)
     raw["ray"]["enabled"] = True
     raw["agents"]["a"]["rollout"] = {"placement": "separate", "engine": "vllm"}
-    with pytest.raises(ConfigError, match=r"is built for the hf engine \(got 'vllm'\)"):
+    assert validate_config(raw).agents["a"].rollout.engine == "vllm"  # either engine
+    raw["agents"]["a"]["rollout"] = {"placement": "separate"}
+    raw["agents"]["a"]["resources"] = {"num_workers": 2}
+    with pytest.raises(ConfigError, match=r"is built for a full-model agent of one worker"):
         validate_config(raw)
+    del raw["agents"]["a"]["resources"]
     raw["agents"]["a"]["rollout"] = {"resources": {"num_cpus": 0.5}}
     with pytest.raises(ConfigError, match=r"agents\.a\.rollout\.resources: engine resources are given but "
                                           r"agents\.a\.rollout\.placement is 'colocated'"):

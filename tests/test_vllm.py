@@ -315,6 +315,22 @@ def test_self_play_and_a_frozen_agent_sync_after_every_update_and_survive_a_kill
     assert reference[-1]["rollout/logp_gap_max/solo"] < PARITY
 
 
+def test_a_vllm_engine_of_its_own_samples_what_the_colocated_engine_samples(ray_cluster, tmp_path, reference):
+    """`solo`'s vLLM engine in a Ray actor of its own (`rollout.placement: separate`), which takes each version its
+    learner publishes: with max_staleness 0 the run's metrics are the in-process, colocated run's, update for
+    update; the engine's log-probs stay within the fp32 parity of the learner's."""
+    raw = self_play_config()
+    raw["ray"]["enabled"] = True
+    raw["agents"]["solo"]["rollout"] = {**VLLM, "placement": "separate", "resources": {"num_cpus": 0.25}}
+    with Coordinator(validate_config(raw), tmp_path) as coord:
+        info = coord.pool.info()
+        assert info["solo"]["rollout_engine"]["pid"] != info["solo"]["pid"]
+        assert info["solo"]["rollout_engine"]["engine"] == "vllm"
+        coord.run()
+        assert max(parity(coord).values()) < PARITY
+    assert rows(tmp_path) == reference
+
+
 @pytest.mark.slow
 def test_smollm2_samples_with_vllm_through_the_coordinator():
     """In this process, which has vLLM imported already (a Ray trainer would import it again: tens of seconds);

@@ -65,8 +65,8 @@ class RolloutConfig(_Strict):
     """Where the engine samples: `colocated`, in the agent's trainer process (the learner's weights, or beside them);
     `separate`, in a Ray actor of its own with its own copy of the weights (`resources`), which takes each policy
     version the learner publishes through Ray's object store when a generate asks for it, so that with
-    `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray and the hf
-    engine, on a full-model agent of one worker."""
+    `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray, on a
+    full-model agent of one worker; either engine (`hf`, `vllm`)."""
     resources: ResourcesConfig | None = None
     """`placement: separate`: the engine actor's CPUs and GPUs; None: the same as the agent's `resources`."""
     max_staleness: int | None = Field(None, ge=0)
@@ -106,8 +106,6 @@ def separate_engine_problem(name: str, agent: AgentConfig, ray_enabled: bool) ->
     key = f"agents.{name}.rollout.placement: separate"
     if not ray_enabled:
         return f"{key} runs the engine in a process of its own, which needs Ray, but ray.enabled is false; set ray.enabled: true or placement: colocated"
-    if rollout.engine != "hf":
-        return f"{key} is built for the hf engine (got {rollout.engine!r}); set agents.{name}.rollout.engine: hf or placement: colocated"
     if agent.adapter is not None or agent.host is not None or agent.resources.num_workers > 1:
         return (f"{key} is built for a full-model agent of one worker on a host of its own; remove agents.{name}.adapter, "
                 f"agents.{name}.host and agents.{name}.resources.num_workers, or set placement: colocated")
