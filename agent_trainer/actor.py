@@ -268,11 +268,12 @@ def nodes_note(spread: int | None) -> str:
     return note
 
 
-def engine_config(config: RunConfig, agent: str) -> RunConfig:
-    """The config an agent's rollout engine of its own starts from: the agent alone, frozen (its weights come from
-    its learner), with the engine's resources."""
+def engine_config(config: RunConfig, agent: str, resources) -> RunConfig:
+    """The config an agent's rollout engine of its own starts from: the agent frozen (its weights come from its
+    learner), one process with the engine's `resources` (`RunPlan.engine_resources`), sampling in that process."""
     spec = config.agents[agent]
-    engine = spec.model_copy(update={"resources": spec.rollout.resources or spec.resources})
+    rollout = spec.rollout.model_copy(update={"placement": "colocated", "resources": None})
+    engine = spec.model_copy(update={"resources": resources, "rollout": rollout})
     schedule = config.schedule.model_copy(update={"frozen": [*config.schedule.frozen, agent]})
     return config.model_copy(update={"agents": {**config.agents, agent: engine}, "schedule": schedule})
 
@@ -311,8 +312,7 @@ class RayTrainers(TrainerPool):
         runtime_env, forwarded = trainer_env(config.ray), forwarded_env(config.ray)
         placement = placement_plan(resources, config.ray.placement_strategy)
         requests = [group_request(resources, hosts) for _, hosts in placement]
-        apart = {a: spec.rollout.resources or spec.resources for a, spec in config.agents.items()
-                 if spec.rollout.placement == "separate"}  # agents whose rollout engine is an actor of its own
+        apart = plan.engine_resources  # agents whose rollout engine is an actor of its own
         if apart:  # the engines in a group of their own, placed as the run's trainers are
             placement.append((config.ray.placement_strategy, []))
             requests.append({"bundles": [bundle_of(r) for r in apart.values()]})
@@ -348,7 +348,7 @@ class RayTrainers(TrainerPool):
                 self.workers.update(dict.fromkeys(layout[host], workers))
         self.engines = {}  # agent -> its rollout engine's actor (rollout.placement: separate)
         for bundle, (agent, r) in enumerate(apart.items()):
-            engine = engine_config(config, agent)  # another config than the pool's: a plan of its own
+            engine = engine_config(config, agent, r)  # another config than the pool's: a plan of its own
             self.engines[agent] = actor_cls.options(
                 num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.groups[-1],

@@ -23,10 +23,8 @@ def placement_problem(config: RunConfig, plan: RunPlan, cpus: float, gpus: float
     """Why the hosts' resource requests (`plan.host_resources`) cannot fit `cpus` and `gpus` in all, and what to
     lower, or None. A host (an agent's own, or one adapter agents share) asks for its per-worker resources once per
     worker."""
-    asked = dict(plan.host_resources)
-    for name, agent in config.agents.items():  # a rollout engine of its own asks for its resources too
-        if agent.rollout.placement == "separate":
-            asked[f"{name} (rollout engine)"] = agent.rollout.resources or agent.resources
+    asked = dict(plan.host_resources)  # and a rollout engine of its own asks for its resources too
+    asked.update({f"{name} (rollout engine)": r for name, r in plan.engine_resources.items()})
     shared = " (hosts.NAME.resources for a shared host)" if config.hosts else ""
     for kind, have, key in (("CPUs", cpus, "num_cpus"), ("GPUs", gpus, "num_gpus")):
         total = sum(getattr(r, key) * r.num_workers for r in asked.values())

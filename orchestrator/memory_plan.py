@@ -59,7 +59,8 @@ class MemoryPlan:
 @dataclass(frozen=True)
 class AgentBytes:
     """Estimated bytes of one agent: its weights (an adapter agent: its adapter; the host's base apart), the
-    gradients of an update, its optimizer state, its rollout engine's own copy of the weights."""
+    gradients of an update, its optimizer state, its colocated vLLM engine's own copy of the weights (an engine
+    of its own, `rollout.placement: separate`, is another process: not counted here)."""
 
     weights: int
     gradients: int
@@ -78,7 +79,8 @@ def estimate(config: RunConfig, counts: dict[str, tuple[int, int]]) -> tuple[dic
         gpu = agent_resources(config, name).num_gpus > 0
         dtype = agent.dtype if agent.dtype != "auto" else "bfloat16" if gpu else "float32"
         width = 4 if dtype == "float32" else 2
-        engine = total * width if agent.rollout.engine == "vllm" else 0
+        own_engine = agent.rollout.engine == "vllm" and agent.rollout.placement == "colocated"  # apart: not here
+        engine = total * width if own_engine else 0
         trains = name not in config.schedule.frozen
         if agent.adapter is not None:
             base[agent.host or name] = total * width

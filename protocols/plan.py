@@ -37,6 +37,9 @@ class RunPlan:
     engine_cache_sizes: dict[str, int]
     """Agent -> the whole sequences its vLLM engine's CPU KV cache holds, for each agent sampling with vLLM
     without `kv_cache_gb` (`protocols.config.engine_cache_sizes`)."""
+    engine_resources: dict[str, ResourcesConfig]
+    """Agent -> what its rollout engine of its own (`rollout.placement: separate`) asks of the cluster: one process,
+    with `rollout.resources`, else the agent's per-worker resources."""
 
 
 def plan_of(config: RunConfig) -> RunPlan:
@@ -52,6 +55,8 @@ def plan_of(config: RunConfig) -> RunPlan:
         staleness_bounds={a: spec.rollout.max_staleness if spec.rollout.max_staleness is not None
                           else config.train.max_staleness for a, spec in config.agents.items()},
         engine_cache_sizes=engine_cache_sizes(config),
+        engine_resources={a: (spec.rollout.resources or spec.resources).model_copy(update={"num_workers": 1})
+                          for a, spec in config.agents.items() if spec.rollout.placement == "separate"},
     )
 
 

@@ -255,11 +255,21 @@ def test_a_separate_engine_needs_ray_and_a_full_model_agent_of_its_own():
     raw["ray"]["enabled"] = True
     raw["agents"]["a"]["rollout"] = {"placement": "separate", "engine": "vllm"}
     assert validate_config(raw).agents["a"].rollout.engine == "vllm"  # either engine
-    raw["agents"]["a"]["rollout"] = {"placement": "separate"}
-    raw["agents"]["a"]["resources"] = {"num_workers": 2}
-    with pytest.raises(ConfigError, match=r"is built for a full-model agent of one worker"):
+    raw["agents"]["a"]["resources"] = {"num_workers": 2}  # a data-parallel vLLM agent: its engine apart only
+    assert validate_config(raw).agents["a"].resources.num_workers == 2
+    raw["agents"]["a"]["rollout"]["placement"] = "colocated"
+    with pytest.raises(ConfigError, match=r"2 workers cannot sample with agents\.a\.rollout\.engine: vllm"):
         validate_config(raw)
     del raw["agents"]["a"]["resources"]
+    raw["agents"]["a"]["rollout"] = {"placement": "separate", "resources": {"num_workers": 2}}
+    with pytest.raises(ConfigError, match=r"agents\.a\.rollout\.resources\.num_workers: 2, but an engine of its "
+                                          r"own is one process"):
+        validate_config(raw)
+    raw["agents"]["a"]["rollout"] = {"placement": "separate"}
+    raw["agents"]["a"]["adapter"] = {"rank": 4}
+    with pytest.raises(ConfigError, match=r"is built for a full-model agent on a host of its own"):
+        validate_config(raw)
+    del raw["agents"]["a"]["adapter"]
     raw["agents"]["a"]["rollout"] = {"resources": {"num_cpus": 0.5}}
     with pytest.raises(ConfigError, match=r"agents\.a\.rollout\.resources: engine resources are given but "
                                           r"agents\.a\.rollout\.placement is 'colocated'"):

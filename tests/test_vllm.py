@@ -317,17 +317,16 @@ def test_self_play_and_a_frozen_agent_sync_after_every_update_and_survive_a_kill
 
 def test_a_vllm_engine_of_its_own_samples_what_the_colocated_engine_samples(ray_cluster, tmp_path, reference):
     """`solo`'s vLLM engine in a Ray actor of its own (`rollout.placement: separate`), which takes each version its
-    learner publishes: with max_staleness 0 the run's metrics are the in-process, colocated run's, update for
-    update; the engine's log-probs stay within the fp32 parity of the learner's."""
+    learner publishes: with max_staleness 0 the run's metrics (the engine's log-prob gap to the learner included) are
+    the in-process, colocated run's, update for update. The learner's process starts no vLLM of its own."""
     raw = self_play_config()
     raw["ray"]["enabled"] = True
     raw["agents"]["solo"]["rollout"] = {**VLLM, "placement": "separate", "resources": {"num_cpus": 0.25}}
     with Coordinator(validate_config(raw), tmp_path) as coord:
         info = coord.pool.info()
         assert info["solo"]["rollout_engine"]["pid"] != info["solo"]["pid"]
-        assert info["solo"]["rollout_engine"]["engine"] == "vllm"
+        assert (info["solo"]["engine"], info["solo"]["rollout_engine"]["engine"]) == ("hf", "vllm")
         coord.run()
-        assert max(parity(coord).values()) < PARITY
     assert rows(tmp_path) == reference
 
 

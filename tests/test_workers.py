@@ -144,6 +144,21 @@ def test_two_worker_agent_runs_as_one_survives_a_killed_worker_and_resumes_on_on
     assert_same_metrics(without_times(rows(tmp_path)), one_worker_each)
 
 
+def test_a_two_worker_agent_with_an_engine_of_its_own_runs_as_one(ray_cluster, tmp_path, one_worker_each):
+    """`rollout.placement: separate` on a data-parallel agent: one engine process, fed by worker 0, samples every
+    worker's rows (the workers hold no engine that samples); the run's metrics are the one-worker run's."""
+    raw = raw_config(workers_a=2, ray=True, agents=("a",))
+    raw["agents"]["a"]["rollout"] = {"placement": "separate"}  # the engine asks for a's per-worker resources, once
+    config = validate_config(raw)
+    with Coordinator(config, tmp_path) as coord:
+        info = coord.pool.info()["a"]
+        pids = {w["pid"] for w in info["workers"]}
+        assert len(pids) == 2 and info["rollout_engine"]["pid"] not in pids
+        coord.run()
+    assert coord.plan.engine_resources["a"].num_workers == 1
+    assert_same_metrics(without_times(rows(tmp_path)), one_worker_each[:STEPS])
+
+
 _DIE_IN_A_COLLECTIVE = """
 import gc, sys, time
 from agent_trainer.handle import TrainerFailure

@@ -152,11 +152,11 @@ def workers_problem(name: str, agent: AgentConfig, ray_enabled: bool) -> str | N
                 f"of the {workers} workers of agent {name!r} share a GPU, which NCCL refuses; give each worker "
                 f"a whole GPU (agents.{name}.resources.num_gpus: 1) or set "
                 f"agents.{name}.resources.num_workers: 1")
-    if workers > 1 and agent.rollout.engine == "vllm":
+    if workers > 1 and agent.rollout.engine == "vllm" and agent.rollout.placement == "colocated":
         return (f"agents.{name}.resources.num_workers: {workers} workers cannot sample with "
                 f"agents.{name}.rollout.engine: vllm (a colocated vLLM engine takes its process's "
-                f"torch.distributed group); set agents.{name}.rollout.engine: hf or "
-                f"agents.{name}.resources.num_workers: 1")
+                f"torch.distributed group); set agents.{name}.rollout.engine: hf, agents.{name}.rollout.placement: "
+                f"separate or agents.{name}.resources.num_workers: 1")
     return None
 
 

@@ -66,7 +66,9 @@ class RolloutConfig(_Strict):
     `separate`, in a Ray actor of its own with its own copy of the weights (`resources`), which takes each policy
     version the learner publishes through Ray's object store when a generate asks for it, so that with
     `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray, on a
-    full-model agent of one worker; either engine (`hf`, `vllm`)."""
+    full-model agent on a host of its own; either engine (`hf`, `vllm`). A data-parallel agent's engine is one
+    process, fed by worker 0, that samples every worker's rows; its learner workers hold no engine of their
+    own (and so a `vllm` agent may have several workers)."""
     resources: ResourcesConfig | None = None
     """`placement: separate`: the engine actor's CPUs and GPUs; None: the same as the agent's `resources`."""
     max_staleness: int | None = Field(None, ge=0)
@@ -106,9 +108,12 @@ def separate_engine_problem(name: str, agent: AgentConfig, ray_enabled: bool) ->
     key = f"agents.{name}.rollout.placement: separate"
     if not ray_enabled:
         return f"{key} runs the engine in a process of its own, which needs Ray, but ray.enabled is false; set ray.enabled: true or placement: colocated"
-    if agent.adapter is not None or agent.host is not None or agent.resources.num_workers > 1:
-        return (f"{key} is built for a full-model agent of one worker on a host of its own; remove agents.{name}.adapter, "
-                f"agents.{name}.host and agents.{name}.resources.num_workers, or set placement: colocated")
+    if agent.adapter is not None or agent.host is not None:
+        return (f"{key} is built for a full-model agent on a host of its own; remove agents.{name}.adapter and "
+                f"agents.{name}.host, or set placement: colocated")
+    if rollout.resources is not None and rollout.resources.num_workers > 1:
+        return (f"agents.{name}.rollout.resources.num_workers: {rollout.resources.num_workers}, but an engine of its "
+                f"own is one process (it samples every worker's rows); set agents.{name}.rollout.resources.num_workers: 1")
     return None
 
 
