@@ -142,6 +142,22 @@ class AdapterTrainer(AgentTrainer):
                 d.eval()
             states[name] = rng.capture()
 
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """Its adapter's weights on the CPU, for its rollout engine of its own, which holds the same base."""
+        return {n: p.detach().to("cpu", copy=True) for n, p in own_parameters(self.model, self.name).items()}
+
+    def take_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """An engine process: sample with this adapter, the learner's at policy `version`, on the base it holds."""
+        own = own_parameters(self.model, self.name)
+        if set(weights) != set(own):
+            raise ValueError(f"agent {self.name!r}: the published adapter has {len(weights)} tensors, the engine's "
+                             f"{len(own)}; learner and engine must attach the same adapter")
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(weights[n])
+        self.engine.sync(self.model)
+        self.policy_version = version
+
     def parameters_digest(self) -> str:
         """SHA-256 of the weights this agent computes with: the base and its own adapter."""
         return weights_digest({n: p for n, p in self.model.named_parameters()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 
 from agent_trainer import storage
@@ -14,6 +15,7 @@ from agent_trainer.agent import Agent
 from agent_trainer.models import resolve_model_path
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunLog
+from orchestrator.steplog import computed
 from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, validate_config
 from protocols.messages import Experience, LoadRequest, Location, ScoreRequest, UpdateRequest
 from protocols.plan import plan_of
@@ -234,3 +236,31 @@ def test_evaluation_partners_of_adapter_agents_get_a_host_of_their_own(tmp_path)
         assert partner.host is None and partner.resources.num_cpus == 0.1
     assert partners["b@first"].adapter.path is None and partners["b@first"].adapter.rank == 4
     assert partners["a@saved"].adapter.path == str(saved / "adapter")
+
+
+def _own_adapter(placement: str) -> dict:
+    """One adapter agent on a host of its own, its engine colocated (in-process) or apart (Ray), rollouts one step
+    ahead."""
+    raw = config(agents=("a",), environment={"name": f"{HERE / 'envs.py'}:ByteScoreEnv"}, ray=placement == "separate",
+                 train={"steps": 3, "max_staleness": 1})
+    raw["agents"]["a"].update(adapter={"rank": 4, "alpha": 8, "target_modules": ["q_proj", "down_proj", "lm_head"]},
+                              optimizer={"lr": 1e-2}, resources={"num_cpus": 0.5})
+    if placement == "separate":
+        raw["agents"]["a"]["rollout"] = {"placement": "separate", "resources": {"num_cpus": 0.5}}
+    return raw
+
+
+def test_an_adapter_agents_engine_of_its_own_takes_only_the_adapter_and_samples_as_the_colocated_one(ray_cluster):
+    runs = {}
+    for placement in ("colocated", "separate"):
+        with Coordinator(validate_config(_own_adapter(placement)), None) as coord:
+            runs[placement] = coord.run()
+            if placement == "separate":
+                info = coord.pool.info()["a"]
+                assert info["rollout_engine"]["pid"] != info["pid"]
+                published = coord.pool.ask(Agent.published_weights, ["a"])["a"]
+                assert published and all(".lora_" in name for name in published)  # the adapter, never the base
+                engine = ray.get(coord.pool.engines["a"].call.remote("a", "weight_digests"))
+                assert engine.base == coord.pool.ask(Agent.weight_digests, ["a"])["a"].base  # its own copy
+    assert [computed(r) for r in runs["separate"]] == [computed(r) for r in runs["colocated"]]
+    assert runs["separate"][-1]["staleness/a/max"] == 1

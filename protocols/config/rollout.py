@@ -65,8 +65,9 @@ class RolloutConfig(_Strict):
     """Where the engine samples: `colocated`, in the agent's trainer process (the learner's weights, or beside them);
     `separate`, in a Ray actor of its own with its own copy of the weights (`resources`), which takes each policy
     version the learner publishes through Ray's object store when a generate asks for it, so that with
-    `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray, on a
-    full-model agent on a host of its own; either engine (`hf`, `vllm`). A data-parallel agent's engine is one
+    `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray, on an
+    agent on a host of its own; either engine (`hf`, `vllm`). An adapter agent's engine holds the base and takes
+    only the adapter's weights. A data-parallel agent's engine is one
     process, fed by worker 0, that samples every worker's rows; its learner workers hold no engine of their
     own (and so a `vllm` agent may have several workers)."""
     resources: ResourcesConfig | None = None
@@ -108,8 +109,8 @@ def separate_engine_problem(name: str, agent: AgentConfig, ray_enabled: bool) ->
     key = f"agents.{name}.rollout.placement: separate"
     if not ray_enabled:
         return f"{key} runs the engine in a process of its own, which needs Ray, but ray.enabled is false; set ray.enabled: true or placement: colocated"
-    if agent.adapter is not None or agent.host is not None:
-        return (f"{key} is built for a full-model agent on a host of its own; remove agents.{name}.adapter and "
+    if agent.host is not None:
+        return (f"{key} is built for an agent on a host of its own (its engine holds one agent's weights); remove "
                 f"agents.{name}.host, or set placement: colocated")
     if rollout.resources is not None and rollout.resources.num_workers > 1:
         return (f"agents.{name}.rollout.resources.num_workers: {rollout.resources.num_workers}, but an engine of its "
