@@ -246,7 +246,7 @@ def test_an_async_run_whose_trainer_dies_restarts_and_ends_as_if_uninterrupted(r
 
 
 @pytest.mark.fast
-def test_a_separate_engine_needs_ray_and_a_full_model_agent_of_its_own():
+def test_a_separate_engine_needs_ray_and_an_agent_on_a_host_of_its_own():
     raw = config(train={"max_staleness": 1})
     raw["agents"]["a"]["rollout"] = {"placement": "separate"}
     with pytest.raises(ConfigError, match=r"agents\.a\.rollout\.placement: separate runs the engine in a process of "
@@ -266,10 +266,14 @@ def test_a_separate_engine_needs_ray_and_a_full_model_agent_of_its_own():
                                           r"own is one process"):
         validate_config(raw)
     raw["agents"]["a"]["rollout"] = {"placement": "separate"}
-    raw["agents"]["a"]["adapter"] = {"rank": 4}
-    with pytest.raises(ConfigError, match=r"is built for a full-model agent on a host of its own"):
+    raw["agents"]["a"]["adapter"] = {"rank": 4}  # an adapter agent of a host of its own: its engine takes the adapter
+    assert validate_config(raw).agents["a"].adapter.rank == 4
+    raw["hosts"] = {"h": {"resources": {"num_cpus": 0.5}}}
+    raw["agents"]["a"]["host"] = "h"
+    raw["agents"]["a"].pop("resources", None)
+    with pytest.raises(ConfigError, match=r"is built for an agent on a host of its own"):
         validate_config(raw)
-    del raw["agents"]["a"]["adapter"]
+    del raw["agents"]["a"]["adapter"], raw["agents"]["a"]["host"], raw["hosts"]
     raw["agents"]["a"]["rollout"] = {"resources": {"num_cpus": 0.5}}
     with pytest.raises(ConfigError, match=r"agents\.a\.rollout\.resources: engine resources are given but "
                                           r"agents\.a\.rollout\.placement is 'colocated'"):
