@@ -1,0 +1,97 @@
+"""A policy version from learner to rollout engine of its own, against one copy of the same bytes in memory.
+
+    python benchmarks/weight_transfer.py [--model builtin:smollm2-135m-instruct] [--repeats 5] [--rank 16]
+
+`rollout.placement: separate` puts an agent's engine in a Ray actor of its own; after every update the learner
+publishes its weights and the engine takes the version a generate names (`RayTrainers._publish`, `_sync_engine`).
+One transfer here is exactly that pair of calls, timed from the publish to the engine holding the version: the
+learner copies its weights to the CPU and Ray's object store, the engine reads them from the store and loads them
+into its model. Two agents, each run alone: a full model (every weight) and an adapter agent (LoRA of `--rank` on
+every linear layer: only the adapter's tensors travel).
+
+The floor is one copy of the same tensors in one process (`dst.copy_(src)` for each, one thread, the destination
+written before so no page is new): the least a transfer of those bytes costs. Printed per agent: bytes, the median
+transfer, the median copy and their ratio. Last line: `weight transfer / one copy: full R, adapter R`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import bench_common as bc  # noqa: E402
+from agent_trainer.agent import Agent  # noqa: E402
+from orchestrator.coordinator import Coordinator  # noqa: E402
+from protocols.config import validate_config  # noqa: E402
+
+LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def config(model: str, adapter_rank: int | None):
+    raw = bc.marsi_config(num_agents=1, model=model, steps=1, ray=True, num_cpus=0.5, ray_cpus=1.0).model_dump()
+    agent = raw["agents"]["a0"]
+    agent["rollout"] = {"placement": "separate", "resources": {"num_cpus": 0.5}}
+    if adapter_rank:
+        agent["adapter"] = {"rank": adapter_rank, "alpha": 2 * adapter_rank, "target_modules": LINEAR}
+    return validate_config(raw)
+
+
+def copy_seconds(tensors: dict[str, torch.Tensor], repeats: int) -> float:
+    """Median seconds of one `copy_` of every tensor into a same-shaped destination already written once."""
+    src = {k: v.clone() for k, v in tensors.items()}
+    dst = {k: torch.empty_like(v) for k, v in tensors.items()}
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for k, v in src.items():
+            dst[k].copy_(v)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def measure(model: str, adapter_rank: int | None, repeats: int) -> dict:
+    with Coordinator(config(model, adapter_rank)) as coord:
+        pool, agent = coord.pool, "a0"
+        tensors = pool.ask(Agent.published_weights, [agent])[agent]
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        times = []
+        for version in range(1, repeats + 2):  # a new version each time: the engine takes every one
+            start = time.perf_counter()
+            pool._publish([agent], {agent: version})
+            pool._sync_engine(agent, version)
+            times.append(time.perf_counter() - start)
+        floor = copy_seconds(tensors, repeats)
+    transfer = statistics.median(times[1:])  # the first pays for warming the store
+    return {"bytes": size, "tensors": len(tensors), "transfer": transfer, "copy": floor}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rank", type=int, default=16, help="the adapter agent's LoRA rank")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"weight transfer, learner -> engine of its own (Ray object store); before: {bc.load_line()}")
+    print(bc.machine_line())
+    rows = {"full": measure(args.model, None, args.repeats), "adapter": measure(args.model, args.rank, args.repeats)}
+    print(f"after: {bc.load_line()}")
+    print(f"{'agent':8s} {'tensors':>8s} {'MB':>9s} {'transfer s':>11s} {'one copy s':>11s} {'ratio':>7s}")
+    for name, r in rows.items():
+        print(f"{name:8s} {r['tensors']:8d} {r['bytes'] / 1e6:9.1f} {r['transfer']:11.4f} {r['copy']:11.4f} "
+              f"{r['transfer'] / r['copy']:7.1f}")
+    print("weight transfer / one copy: " + ", ".join(f"{n} {r['transfer'] / r['copy']:.1f}" for n, r in rows.items()))
+
+
+if __name__ == "__main__":
+    main()
