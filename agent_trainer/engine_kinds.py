@@ -16,9 +16,9 @@ from protocols.config import AgentConfig
 def make_engine(agent: AgentConfig, model: torch.nn.Module, *, model_path: str, tokenizer_path: str,
                 stop_ids: list[int], pad_id: int, device: torch.device, seed: int,
                 autocast: Callable[[], ContextManager], kv_cache_sequences: int | None = None) -> RolloutEngine:
-    """The engine `agent.rollout.engine` names (the hf engine where it is placed apart), sampling from `model` (whose weights came from `model_path`);
-    `kv_cache_sequences`: a vLLM engine's CPU KV-cache size, as the run's plan sizes it
-    (`RunPlan.engine_cache_sizes`)."""
+    """The engine `agent.rollout.engine` names (the hf engine where that engine is placed apart), sampling from
+    `model` (whose weights came from `model_path`); `kv_cache_sequences`: a vLLM engine's CPU KV-cache size, as the
+    run's plan sizes it (`RunPlan.engine_cache_sizes`)."""
     gen = agent.generation
     if agent.rollout.engine == "hf" or agent.rollout.placement == "separate":
         # a learner whose engine is an actor of its own samples nothing itself: the hf engine over its own model

@@ -67,9 +67,9 @@ class RolloutConfig(_Strict):
     version the learner publishes through Ray's object store when a generate asks for it, so that with
     `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray, on an
     agent on a host of its own; either engine (`hf`, `vllm`). An adapter agent's engine holds the base and takes
-    only the adapter's weights. A data-parallel agent's engine is one
-    process, fed by worker 0, that samples every worker's rows; its learner workers hold no engine of their
-    own (and so a `vllm` agent may have several workers)."""
+    only the adapter's weights. A data-parallel agent's engine is one process, fed by worker 0, that samples
+    every worker's rows; its learner workers hold no engine of their own (and so a `vllm` agent may have
+    several workers)."""
     resources: ResourcesConfig | None = None
     """`placement: separate`: the engine actor's CPUs and GPUs; None: the same as the agent's `resources`."""
     max_staleness: int | None = Field(None, ge=0)
