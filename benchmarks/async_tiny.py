@@ -1,8 +1,13 @@
-"""Asynchronous rollouts on the tiny model with Ray: seconds per step for engines colocated and separate, K = 0
-and 1, under simultaneous and alternate schedules (2 agents, 2 turns, 4 x 4 episodes, 16 new tokens, each trainer
-and engine half a core), with the step's generate, update and overlapped seconds.
+"""Asynchronous rollouts with Ray: seconds per step for engines colocated and separate, K = 0 and 1, under
+simultaneous and alternate schedules (2 agents, 2 turns, 4 x 4 episodes, 16 new tokens, each trainer and engine half
+a core), with the step's generate, update and overlapped seconds.
 
-    python benchmarks/async_tiny.py
+    python benchmarks/async_tiny.py [--model builtin:tiny] [--engine hf|vllm] [--tokens 16] [--steps 14]
+                                    [--cases simultaneous:colocated:0,...] [--dtype float32]
+
+`--cases`: the runs, each SCHEDULE:PLACEMENT:K (default: both schedules, each placement, K 0 and 1). The last line
+compares the last case with the first: `separate / colocated s/step: R` when they are `alternate:separate:1` and
+`alternate:colocated:0`, the target setting of separate engines (`--engine vllm`, SmolLM2).
 
 Seconds per step: from the steps' `time/end`, steps 4 to 12 of 14 (the pipeline filled, not yet draining).
 The task is the tests' letter environment (tests/envs.py): only the timing matters here.
@@ -10,6 +15,7 @@ The task is the tests' letter environment (tests/envs.py): only the timing matte
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -23,32 +29,52 @@ from protocols.config import validate_config  # noqa: E402
 from tests.envs import config  # noqa: E402
 
 
-def run(placement: str, k: int, kind: str) -> str:
-    raw = config(turns=2, ray=True, train={"steps": 14, "max_staleness": k, "batch_size": 4, "num_generations": 4},
-                 schedule={"kind": kind})
+def run(placement: str, k: int, kind: str, args) -> tuple[float, str]:
+    raw = config(turns=2, ray=True, train={"steps": args.steps, "max_staleness": k, "batch_size": 4,
+                                            "num_generations": 4}, schedule={"kind": kind})
     for spec in raw["agents"].values():
-        spec["generation"] = {"max_completion_length": 16}
+        spec.update(model=args.model, dtype=args.dtype)
+        spec["generation"] = {"max_completion_length": args.tokens}
         spec["resources"] = {"num_cpus": 0.5}
-        spec["rollout"] = {"placement": placement, **({"resources": {"num_cpus": 0.5}} if placement == "separate" else {})}
+        spec["rollout"] = {"placement": placement, "engine": args.engine,
+                           **({"resources": {"num_cpus": 0.5}} if placement == "separate" else {})}
     with Coordinator(validate_config(raw), None) as coord:
         history = coord.run()
     ends = [m["time/end"] for m in history]
     seconds = (ends[-3] - ends[3]) / (len(ends) - 6)
     middle = history[3:-2]
     mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in middle)  # noqa: E731
-    return (f"{kind:12s} {placement:9s} K={k}: {seconds:.3f} s/step, generate {mean('time/generate'):.3f}, "
-            f"update {mean('time/update'):.3f}, overlap {mean('time/overlap'):.3f}")
+    return seconds, (f"{kind:12s} {placement:9s} K={k}: {seconds:.3f} s/step, generate {mean('time/generate'):.3f}, "
+                     f"update {mean('time/update'):.3f}, overlap {mean('time/overlap'):.3f}")
+
+
+CASES = ",".join(f"{kind}:{placement}:{k}" for kind in ("simultaneous", "alternate")
+                 for placement, k in (("colocated", 0), ("colocated", 1), ("separate", 0), ("separate", 1)))
 
 
 def main() -> None:
     import ray
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:tiny")
+    parser.add_argument("--engine", default="hf", choices=["hf", "vllm"])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=14, help="at least 8: steps 4 .. N-2 are timed")
+    parser.add_argument("--cases", default=CASES)
+    args = parser.parse_args()
+    cases = [(kind, placement, int(k)) for kind, placement, k in (c.split(":") for c in args.cases.split(","))]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    for kind in ("simultaneous", "alternate"):
-        for placement, k in (("colocated", 0), ("colocated", 1), ("separate", 0), ("separate", 1)):
-            print(run(placement, k, kind), flush=True)
+    print(f"{args.model}, engine {args.engine}, {args.dtype}, {args.tokens} new tokens, {args.steps} steps")
+    seconds = []
+    for kind, placement, k in cases:
+        took, line = run(placement, k, kind, args)
+        seconds.append(took)
+        print(line, flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    last, first = cases[-1], cases[0]
+    print(f"{':'.join(map(str, last))} / {':'.join(map(str, first))} s/step: {seconds[-1] / seconds[0]:.2f}")
 
 
 if __name__ == "__main__":
