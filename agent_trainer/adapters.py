@@ -143,8 +143,9 @@ class AdapterTrainer(AgentTrainer):
             states[name] = rng.capture()
 
     def published_weights(self) -> dict[str, torch.Tensor]:
-        """Its adapter's weights on the CPU, for its rollout engine of its own, which holds the same base."""
-        return {n: p.detach().to("cpu", copy=True) for n, p in own_parameters(self.model, self.name).items()}
+        """Its adapter's weights, for its rollout engine of its own, which holds the same base: the live tensors, as
+        `AgentTrainer.published_weights`."""
+        return {n: p.detach() for n, p in own_parameters(self.model, self.name).items()}
 
     def take_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """An engine process: sample with this adapter, the learner's at policy `version`, on the base it holds."""

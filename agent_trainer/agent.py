@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from agent_trainer import process_memory, storage
+from agent_trainer import process_memory, storage, weight_wire
 from agent_trainer.dispatch import Dispatch, Publish, Timeout, check_registered, register
 from protocols.messages import (
     GenerateRequest, GenerateResult, LoadRequest, MemoryReading, OptimizerRequest, ProbeRequest, SaveRequest,
@@ -96,16 +96,18 @@ class Agent(Served):
 
     @register(Dispatch.RANK_ZERO)
     def published_weights(self) -> dict:
-        """The weights, on the CPU, for a rollout engine in another process (`rollout.placement: separate`); the
-        Ray pool leaves them in the object store, where the engine takes them."""
+        """The weights, on the CPU, for a rollout engine in another process (`rollout.placement: separate`), packed
+        for the object store (`weight_wire.pack`: views of the live weights, which Ray copies into the store as this
+        call returns); the Ray pool leaves them there, where the engine takes them."""
         with self._trainer.selected():
-            return self._trainer.published_weights()
+            return weight_wire.pack(self._trainer.published_weights())
 
     @register(Dispatch.RANK_ZERO)
     def take_weights(self, weights: dict, version: int) -> None:
-        """An engine process: sample with `weights`, the learner's at policy `version`, from now on."""
+        """An engine process: sample with `weights` (`published_weights`' payload), the learner's at policy
+        `version`, from now on."""
         with self._trainer.selected():
-            self._trainer.take_weights(weights, version)
+            self._trainer.take_weights(weight_wire.unpack(weights), version)
 
     @register(Dispatch.RANK_ZERO)
     def score(self, request: ScoreRequest) -> list[list[float]]:

@@ -397,8 +397,9 @@ class AgentTrainer:
         return self._checkpoint_info(path)
 
     def published_weights(self) -> dict[str, torch.Tensor]:
-        """The policy's weights on the CPU, for a rollout engine in another process (`rollout.placement: separate`)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """The policy's weights, for a rollout engine in another process (`rollout.placement: separate`): the live
+        tensors (`Agent.published_weights` packs them for the object store, which copies them)."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def take_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Sample with these weights, published by the agent's learner at policy `version`, from now on (an engine

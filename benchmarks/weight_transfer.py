@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import bench_common as bc  # noqa: E402
+from agent_trainer import weight_wire  # noqa: E402
 from agent_trainer.agent import Agent  # noqa: E402
 from orchestrator.coordinator import Coordinator  # noqa: E402
 from protocols.config import validate_config  # noqa: E402
@@ -62,7 +63,7 @@ def copy_seconds(tensors: dict[str, torch.Tensor], repeats: int) -> float:
 def measure(model: str, adapter_rank: int | None, repeats: int) -> dict:
     with Coordinator(config(model, adapter_rank)) as coord:
         pool, agent = coord.pool, "a0"
-        tensors = pool.ask(Agent.published_weights, [agent])[agent]
+        tensors = weight_wire.unpack(pool.ask(Agent.published_weights, [agent])[agent])
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         times = []
         for version in range(1, repeats + 2):  # a new version each time: the engine takes every one

@@ -258,7 +258,7 @@ def test_an_adapter_agents_engine_of_its_own_takes_only_the_adapter_and_samples_
             if placement == "separate":
                 info = coord.pool.info()["a"]
                 assert info["rollout_engine"]["pid"] != info["pid"]
-                published = coord.pool.ask(Agent.published_weights, ["a"])["a"]
+                published = coord.pool.ask(Agent.published_weights, ["a"])["a"]["arrays"]
                 assert published and all(".lora_" in name for name in published)  # the adapter, never the base
                 engine = ray.get(coord.pool.engines["a"].call.remote("a", "weight_digests"))
                 assert engine.base == coord.pool.ask(Agent.weight_digests, ["a"])["a"].base  # its own copy
