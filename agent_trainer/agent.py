@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from agent_trainer import process_memory, storage, weight_wire
+from agent_trainer import process_memory, storage
 from agent_trainer.dispatch import Dispatch, Publish, Timeout, check_registered, register
 from protocols.messages import (
     GenerateRequest, GenerateResult, LoadRequest, MemoryReading, OptimizerRequest, ProbeRequest, SaveRequest,
@@ -99,6 +99,8 @@ class Agent(Served):
         """The weights, on the CPU, for a rollout engine in another process (`rollout.placement: separate`), packed
         for the object store (`weight_wire.pack`: views of the live weights, which Ray copies into the store as this
         call returns); the Ray pool leaves them there, where the engine takes them."""
+        from agent_trainer import weight_wire  # torch: the coordinator, which imports this class, imports none
+
         with self._trainer.selected():
             return weight_wire.pack(self._trainer.published_weights())
 
@@ -106,6 +108,8 @@ class Agent(Served):
     def take_weights(self, weights: dict, version: int) -> None:
         """An engine process: sample with `weights` (`published_weights`' payload), the learner's at policy
         `version`, from now on."""
+        from agent_trainer import weight_wire
+
         with self._trainer.selected():
             self._trainer.take_weights(weight_wire.unpack(weights), version)
 
