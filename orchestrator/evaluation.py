@@ -48,7 +48,9 @@ def partner_agents(config: RunConfig) -> dict[str, AgentConfig]:
         for agent, weights in held.items():
             if weights != "scripted":
                 own = config.agents[agent]
-                update = {"resources": config.eval.partner_resources, "host": None}  # a host of its own
+                # a host of its own, which samples in its own process: a frozen partner needs no engine apart
+                rollout = own.rollout.model_copy(update={"placement": "colocated", "resources": None})
+                update = {"resources": config.eval.partner_resources, "host": None, "rollout": rollout}
                 if own.adapter is None:
                     update["model"] = own.model if weights == "initial" else _model_dir(weights)
                 elif weights != "initial":  # the base, with the adapter a checkpoint or adapter directory holds

@@ -314,3 +314,19 @@ def test_validate_says_how_far_ahead_rollouts_run(tmp_path):
     assert out.returncode == 0, out.stderr
     assert ("asynchronous rollouts: train.max_staleness 1; each step's episodes are played 2 step(s) ahead, while "
             "earlier steps update; rollout engines of their own: none") in out.stdout
+
+
+@pytest.mark.fast
+def test_an_evaluation_partner_of_an_agent_with_an_engine_apart_samples_in_its_own_process():
+    """A partner only generates: it gets no engine actor of its own (nor asks the cluster for one)."""
+    from orchestrator.evaluation import partner_agents
+    from protocols.plan import plan_of
+
+    raw = config(train={"max_staleness": 1}, ray=True, eval={"data": {"factory": f"{ENVS}:held_out"},
+                                                             "partners": {"first": {"a": "initial"}}})
+    raw["agents"]["a"]["rollout"] = {"placement": "separate", "resources": {"num_cpus": 0.5}}
+    cfg = validate_config(raw)
+    (name, partner), = partner_agents(cfg).items()
+    assert partner.rollout.placement == "colocated" and partner.rollout.resources is None
+    trainers = cfg.model_copy(update={"agents": {**cfg.agents, name: partner}})
+    assert list(plan_of(trainers).engine_resources) == ["a"]
