@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=14, help="at least 8: steps 4 .. N-2 are timed")
     parser.add_argument("--cases", default=CASES)
     args = parser.parse_args()
+    if args.steps < 8:
+        parser.error(f"--steps {args.steps}: at least 8 (steps 4 .. N-2 are timed)")
     cases = [(kind, placement, int(k)) for kind, placement, k in (c.split(":") for c in args.cases.split(","))]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
