@@ -65,7 +65,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 8:
         parser.error(f"--steps {args.steps}: at least 8 (steps 4 .. N-2 are timed)")
-    cases = [(kind, placement, int(k)) for kind, placement, k in (c.split(":") for c in args.cases.split(","))]
+    cases = [c.split(":") for c in args.cases.split(",")]
+    for case in cases:
+        if len(case) != 3 or case[1] not in ("colocated", "separate") or not case[2].isdigit():
+            parser.error(f"--cases: {':'.join(case)!r} is not SCHEDULE:colocated|separate:K")
+    cases = [(kind, placement, int(k)) for kind, placement, k in cases]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"{args.model}, engine {args.engine}, {args.dtype}, {args.tokens} new tokens, {args.steps} steps")
