@@ -1,0 +1,187 @@
+"""Weights from an agent's learner to its rollout engine of its own (`rollout.placement: separate`) through a
+torch.distributed group of the two processes: gloo on CPU, NCCL on GPU.
+
+The learner (rank 0) broadcasts its live tensors; the engine (rank 1) receives them into its own, in place. A
+tensor of at least `_BUCKET_BYTES` travels alone, straight into the engine's tensor where its dtype matches; smaller
+ones travel together in flat buffers of one dtype and at most `_BUCKET_BYTES`, so the extra memory on either side is
+one bucket (or one large tensor whose dtype differs between the two sides). Tensors that share storage (a tied
+embedding and output layer) travel once.
+
+Every transfer opens with a header that both sides check before any weight moves: the policy version the learner
+holds against the one asked for, and the tensors' names and shapes against the engine's. Either side's refusal is
+seen by both (an all-reduce of the verdicts), so neither waits for a transfer that will not come.
+
+The group is private to the two processes (its own store, not the default group a data-parallel learner is in);
+`agent_trainer.actor` forms it at start, or falls back to Ray's object store (`weight_wire`) where it cannot."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch loads in the trainers only
+    import torch
+    import torch.distributed as dist
+
+_BUCKET_BYTES = 16 << 20
+LEARNER, ENGINE = 0, 1
+
+
+def _dtypes() -> list:
+    import torch
+
+    return [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
+            torch.bool]
+
+
+def unique(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """`tensors` in order, without those whose storage, offset and shape an earlier one has (tied weights)."""
+    seen, out = set(), []
+    for name, tensor in tensors.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        if key not in seen:
+            seen.add(key)
+            out.append((name, tensor))
+    return out
+
+
+def layout_digest(entries: list[tuple[str, torch.Tensor]]) -> int:
+    """A 63-bit digest of the entries' names and shapes, in order: equal on both sides when they hold the same
+    tensors."""
+    text = "\n".join(f"{name}:{tuple(t.shape)}" for name, t in entries)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def buckets(sizes: list[tuple[int, object]], bucket_bytes: int = _BUCKET_BYTES) -> list[list[int]]:
+    """Indices of the entries sent together, in order, from each entry's (bytes, dtype): an entry of at least
+    `bucket_bytes` alone; smaller consecutive ones of one dtype together up to `bucket_bytes`."""
+    out: list[list[int]] = []
+    total = 0
+    for i, (nbytes, dtype) in enumerate(sizes):
+        alone = nbytes >= bucket_bytes
+        joins = (out and not alone and len(out[-1]) and sizes[out[-1][-1]][1] == dtype
+                 and sizes[out[-1][-1]][0] < bucket_bytes and total + nbytes <= bucket_bytes)
+        if joins:
+            out[-1].append(i)
+            total += nbytes
+        else:
+            out.append([i])
+            total = nbytes
+    return out
+
+
+class ChannelRefused(RuntimeError):
+    """A transfer that one side refused at its header; nothing was sent, the engine's weights are unchanged."""
+
+    def __init__(self, agent: str, reason: str):
+        super().__init__(f"agent {agent!r}: {reason}")
+        self.agent, self.reason = agent, reason
+
+    def __reduce__(self):  # raised in a trainer process, read in the coordinator's
+        return type(self), (self.agent, self.reason)
+
+
+class WeightChannel:
+    """One side of the two-process group between an agent's learner and its engine."""
+
+    def __init__(self, store: dist.Store, rank: int, *, device: torch.device, timeout_s: float, agent: str):
+        import torch.distributed as dist
+
+        self.rank, self.device, self.agent = rank, device, agent
+        timeout = datetime.timedelta(seconds=timeout_s)
+        prefixed = dist.PrefixStore(f"marsi-weights/{agent}", store)
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+            self.backend = "nccl"
+        else:
+            self.group = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+            self.backend = "gloo"
+
+    # ------------------------------------------------------------------------------------------- the two sides
+    def send(self, tensors: dict[str, torch.Tensor], version: int, holds: int) -> int:
+        """The learner: broadcast `tensors` (its weights at policy `holds`) as policy `version`; the bytes sent.
+        Refused, on both sides, unless `holds == version` and the engine holds tensors of the same names and
+        shapes."""
+        import torch
+
+        entries = unique(tensors)
+        codes = [_dtypes().index(t.dtype) for _, t in entries]
+        header = torch.tensor([version, len(entries), layout_digest(entries)], dtype=torch.int64, device=self.device)
+        self._broadcast(header)
+        mine = "" if holds == version else (f"its learner holds policy version {holds}, not the {version} asked "
+                                            "for")
+        self._agree(mine)
+        self._broadcast(torch.tensor(codes, dtype=torch.int8, device=self.device))
+        sent = 0
+        for group in buckets([(t.numel() * t.element_size(), t.dtype) for _, t in entries]):
+            parts = [entries[i][1].detach() for i in group]
+            flat = parts[0].contiguous() if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
+            self._broadcast(flat.to(self.device))
+            sent += flat.numel() * flat.element_size()
+        return sent
+
+    def receive(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """The engine: receive policy `version` into `tensors` (its own live weights), in place."""
+        import torch
+
+        entries = unique(tensors)
+        header = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self._broadcast(header)
+        got_version, count, digest = (int(x) for x in header.tolist())
+        mine = ""
+        if got_version != version:
+            mine = f"the learner sent policy version {got_version}, the engine asked for {version}"
+        elif count != len(entries) or digest != layout_digest(entries):
+            mine = (f"the learner sends {count} tensors, the engine holds {len(entries)} (or their names or shapes "
+                    "differ); learner and engine must load the same model (and attach the same adapter)")
+        self._agree(mine)
+        codes = torch.zeros(count, dtype=torch.int8, device=self.device)
+        self._broadcast(codes)
+        dtypes = [_dtypes()[c] for c in codes.tolist()]
+        sizes = [(t.numel() * dtypes[i].itemsize, dtypes[i]) for i, (_, t) in enumerate(entries)]
+        with torch.no_grad():
+            for group in buckets(sizes):
+                targets = [entries[i][1] for i in group]
+                dtype = dtypes[group[0]]
+                if len(group) == 1 and targets[0].dtype == dtype and targets[0].is_contiguous() \
+                        and targets[0].device == self.device:
+                    self._broadcast(targets[0])  # straight into the engine's tensor
+                    continue
+                flat = torch.empty(sum(t.numel() for t in targets), dtype=dtype, device=self.device)
+                self._broadcast(flat)
+                offset = 0
+                for target in targets:
+                    target.copy_(flat[offset:offset + target.numel()].view(target.shape))
+                    offset += target.numel()
+
+    def close(self) -> None:
+        shutdown = getattr(self.group, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        self.group = None
+
+    # ---------------------------------------------------------------------------------------------- plumbing
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        self.group.broadcast(tensor, LEARNER).wait()
+
+    def _agree(self, mine: str) -> None:
+        """Both sides' verdicts on the header: raise ChannelRefused on both unless both accept."""
+        import torch
+        import torch.distributed as dist
+
+        verdict = torch.tensor([0 if mine else 1], dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([verdict], options).wait()
+        if mine:
+            raise ChannelRefused(self.agent, f"weights not sent to its rollout engine: {mine}")
+        if int(verdict.item()) == 0:
+            side = "engine" if self.rank == LEARNER else "learner"
+            raise ChannelRefused(self.agent, f"weights not sent to its rollout engine: its {side} refused the "
+                                 "transfer (its error says why)")

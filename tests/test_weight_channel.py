@@ -1,0 +1,111 @@
+"""The weight channel between a learner and its engine apart: a gloo group of two, here two threads of this process
+(each side's calls block as they would in its own process)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from agent_trainer.weight_channel import ChannelRefused, WeightChannel, buckets, unique
+
+pytestmark = pytest.mark.fast
+
+
+def tiny_model(seed: int):
+    """A two-layer Llama whose output layer is its embedding (tied)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _pair(timeout_s: float = 30.0) -> tuple[WeightChannel, WeightChannel]:
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    sides = {}
+
+    def join(rank):
+        joined = store if rank == 0 else dist.TCPStore("127.0.0.1", store.port, 2, is_master=False,
+                                                        timeout=datetime.timedelta(seconds=30))
+        sides[rank] = WeightChannel(joined, rank, device=torch.device("cpu"), timeout_s=timeout_s, agent="alice")
+
+    _both(join, (0,), (1,))
+    sides[0].store = store  # the master store lives as long as the channel
+    return sides[0], sides[1]
+
+
+def _both(fn, first: tuple, second: tuple) -> dict:
+    """`fn(*first)` and `fn(*second)` at once, each in a thread: what each returned, or the exception it raised."""
+    out = {}
+
+    def run(key, args):
+        try:
+            out[key] = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            out[key] = exc
+
+    threads = [threading.Thread(target=run, args=(k, a)) for k, a in ((0, first), (1, second))]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    return out
+
+
+def _transfer(learner, engine, sent: dict, received: dict, version: int, holds: int) -> dict:
+    return _both(lambda side, *args: side.send(*args) if side is learner else side.receive(*args),
+                 (learner, sent, version, holds), (engine, received, version))
+
+
+def test_a_model_arrives_bit_for_bit_in_place_with_a_tied_embedding_sent_once():
+    source, target = tiny_model(seed=1), tiny_model(seed=2)
+    sent, received = source.state_dict(), target.state_dict()
+    live = {name: tensor.data_ptr() for name, tensor in received.items()}
+    learner, engine = _pair()
+    out = _transfer(learner, engine, sent, received, 3, 3)
+    assert out[1] is None and isinstance(out[0], int)
+    after = target.state_dict()
+    assert all(torch.equal(after[n], sent[n]) for n in sent)
+    assert {n: t.data_ptr() for n, t in after.items()} == live  # into the engine's own tensors
+    tied = [n for n in sent if n.endswith("lm_head.weight")]
+    assert tied and out[0] == sum(t.numel() * t.element_size() for _, t in unique(sent))  # once, not twice
+    assert out[0] < sum(t.numel() * t.element_size() for t in sent.values())
+
+
+def test_a_bfloat16_learner_fills_a_float32_engine_and_buckets_hold_one_dtype_up_to_their_size():
+    sent = {"big": torch.randn(64, 64).bfloat16(), "a": torch.randn(3).bfloat16(), "b": torch.randn(5),
+            "c": torch.randn(2)}
+    received = {name: torch.zeros(t.shape) for name, t in sent.items()}
+    learner, engine = _pair()
+    out = _transfer(learner, engine, sent, received, 0, 0)
+    assert out == {0: 64 * 64 * 2 + 3 * 2 + 7 * 4, 1: None}
+    assert all(torch.equal(received[n], sent[n].float()) for n in sent)
+    f32, b16 = torch.float32, torch.bfloat16
+    assert buckets([(8192, b16), (6, b16), (20, f32), (8, f32)], bucket_bytes=8192) == [[0], [1], [2, 3]]
+    assert buckets([(4, f32), (4, f32), (4, f32)], bucket_bytes=8) == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize("case", ["version", "layout"])
+def test_a_refused_transfer_raises_on_both_sides_and_leaves_the_engine_as_it_was(case):
+    sent = {"w": torch.ones(4, 4), "b": torch.ones(4)}
+    received = {"w": torch.zeros(4, 4), "b": torch.zeros(4 if case == "version" else 5)}
+    learner, engine = _pair()
+    out = _transfer(learner, engine, sent, received, 7, 6 if case == "version" else 7)
+    assert isinstance(out[0], ChannelRefused) and isinstance(out[1], ChannelRefused)
+    reason = out[0] if case == "version" else out[1]
+    assert "agent 'alice'" in str(reason)
+    assert ("holds policy version 6, not the 7 asked for" if case == "version"
+            else "must load the same model") in str(reason)
+    assert all(not t.any() for t in received.values())
+    out = _transfer(learner, engine, sent, {"w": received["w"], "b": torch.zeros(4)}, 7, 7)  # the channel still works
+    assert out[1] is None and received["w"].eq(1).all()
+
+
+def test_a_side_left_alone_fails_at_the_channels_timeout_instead_of_waiting_for_ever():
+    learner, _ = _pair(timeout_s=1.0)
+    with pytest.raises(RuntimeError, match="(?i)timed out|timeout"):
+        learner.send({"w": torch.ones(2)}, 0, 0)
