@@ -26,6 +26,7 @@ from agent_trainer import reaper
 from agent_trainer.agent import Agent
 from agent_trainer.dispatch import Publish, WorkersDisagree, declaration_of
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool, TrainerStartError
+from agent_trainer.engines_apart import EnginesApart
 from agent_trainer.group import bundle_of, fit_problem, local_cluster_problem
 from protocols.config import RayConfig, RunConfig, joins_cluster
 from protocols.errors import describe, one_line
@@ -158,6 +159,8 @@ class _TrainerActor:
         self.node = node_label(ray.get_runtime_context().get_node_id())
         self.host, self.error = None, None
         self.group_store = None  # worker 0 of a data-parallel agent: its group's store, from open_store to join
+        self.channel_stores: dict[str, Any] = {}  # agent -> its weight channel's store (its learner: the master)
+        self.channels: dict[str, Any] = {}  # agent -> its weight channel (`weight_channel.WeightChannel`)
         try:
             self.host = Host(host, config, plan, updates, where=self.node)
         except TrainerStartError as exc:  # reported by info(), so the driver gets one clean line
@@ -184,6 +187,39 @@ class _TrainerActor:
         store, self.group_store = self.group_store, None
         workers.join(trainer, address=address, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s,
                      store=store)
+
+    def open_weight_store(self, agent: str, *, address: str, timeout_s: float) -> int:
+        """`agent`'s learner: open the store of its weight channel to its engine at `address`; the port."""
+        from agent_trainer import workers
+
+        self.channel_stores[agent] = workers.open_store(address=address, world_size=2, timeout_s=timeout_s)
+        return self.channel_stores[agent].port
+
+    def join_weight_channel(self, agent: str, *, address: str, port: int, rank: int, rendezvous_s: float,
+                            timeout_s: float) -> str:
+        """Join `agent`'s weight channel (`agent_trainer.weight_channel`) as its learner (rank 0, which opened the
+        store) or its engine (rank 1); the backend. `timeout_s` bounds each transfer."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from agent_trainer.weight_channel import WeightChannel
+
+        if agent not in self.channel_stores:
+            self.channel_stores[agent] = dist.TCPStore(address, port, 2, is_master=False,
+                                                       timeout=datetime.timedelta(seconds=rendezvous_s))
+        device = self.host.trainers[agent].device
+        self.channels[agent] = WeightChannel(self.channel_stores[agent], rank, device=device, timeout_s=timeout_s,
+                                             agent=agent)
+        return self.channels[agent].backend
+
+    def send_weights(self, agent: str, version: int) -> int:
+        """`agent`'s learner: its weights at policy `version` over its channel; the bytes sent."""
+        return self.host.call(agent, Agent.send_weights, self.channels[agent], version)
+
+    def receive_weights(self, agent: str, version: int) -> None:
+        """`agent`'s engine: the learner's weights at policy `version`, over its channel."""
+        self.host.call(agent, Agent.receive_weights, self.channels[agent], version)
 
     def info(self) -> dict[str, dict[str, Any]]:
         """Per agent of this host: its process, node, device, precision (`agent_trainer.precision.Precision` as a
@@ -288,7 +324,7 @@ def node_label(node_id: str) -> str:
     return f"node {node_id[:12]}"
 
 
-class RayTrainers(TrainerPool):
+class RayTrainers(EnginesApart, TrainerPool):
     """One Ray actor per host worker; a call fans out to all named agents' workers, then gathers once.
     `workers[agent]` lists the actors of an agent's host in worker order.
     Agents of one host are served by one actor, one call at a time; its death is a failure of each of them.
@@ -296,6 +332,7 @@ class RayTrainers(TrainerPool):
 
     engines: dict[str, Any] = {}  # set per pool in __init__; empty for a pool built without it
     engines_apart: frozenset[str] | set[str] = frozenset()
+    engines_pushed: frozenset[str] | set[str] = frozenset()  # those fed by a weight channel: one version at a time
 
     def __init__(self, config: RunConfig, plan: RunPlan, updates: dict[str, int]):
         """`plan`: `config`'s (`protocols.plan`); `updates`: agent -> the updates it is scheduled for."""
@@ -355,10 +392,7 @@ class RayTrainers(TrainerPool):
                                                                      placement_group_bundle_index=bundle),
             ).remote(agent, engine, plan_of(engine), updates, num_threads(r.num_cpus), forwarded)
         self.engines_apart = set(self.engines)
-        self.published: dict[str, dict[int, Any]] = {a: {} for a in self.engines}  # version -> weights' object ref
-        self.engine_version: dict[str, int | None] = dict.fromkeys(self.engines)
-        self.planned: dict[str, int] = {}  # agent -> the last version a rollout named
-        self.sync_lock = threading.Lock()
+        self._start_engines_apart()
         self.housemates = {agent: agents for agents in layout.values() for agent in agents}
         try:  # waits until every trainer is up, then joins each agent's workers into one group
             info = self.start_info = self.info(timeout=config.train.start_timeout_s)
@@ -376,6 +410,8 @@ class RayTrainers(TrainerPool):
         if errors:
             self.close()
             raise TrainerStartError(errors[0])
+        self._open_channels(config, info, {a: _node_address(info[a]["node"]) for a in self.engines})
+        self.engines_pushed = set(self.channels)
         self._publish(list(self.engines))
 
     def _join_workers(self, info: dict[str, dict[str, Any]], start_timeout: float | None,
@@ -456,56 +492,6 @@ class RayTrainers(TrainerPool):
         elif declaration.publishes is Publish.RELOADED:
             self._publish(published)
         return collected
-
-    # ------------------------------------------------------------------- rollout engines of their own
-    def _publish(self, agents: list[str], versions: dict[str, int] | None = None) -> None:
-        """Each learner of `agents` puts its weights into the object store, under its policy version (asked when not
-        given: at start and after a load, which also forget what was published before). Nothing passes the driver:
-        the engine takes the weights from the store when a generate asks for that version."""
-        for agent in agents:
-            learner = self.workers[agent][0]
-            if versions is None:
-                version = ray.get(learner.call.remote(agent, _name(Agent.version)), timeout=self.timeout_of(Agent.version))
-            else:
-                version = versions[agent]
-            ref = learner.call.remote(agent, _name(Agent.published_weights))
-            with self.sync_lock:
-                if versions is None:
-                    self.published[agent], self.engine_version[agent] = {}, None
-                    self.planned.pop(agent, None)
-                self.published[agent][version] = ref
-
-    def _sync_engine(self, agent: str, version: int | None) -> None:
-        """Put the learner's weights of policy `version` (None: the newest published, as an evaluation asks) into
-        `agent`'s engine, unless it holds them. Rollouts name the versions they plan, in order: versions older than
-        the last one named are forgotten (all but the newest, while none is named)."""
-        with self.sync_lock:
-            published = self.published[agent]
-            if version is not None:
-                self.planned[agent] = version
-            version = max(published) if version is None else version
-            if self.engine_version[agent] == version:
-                return
-            if version not in published:
-                raise TrainerFailure(agent, "generate", f"its rollout engine was asked for policy version {version}, "
-                                     f"which its learner has not published (published: {sorted(published)})", False)
-            ref = published[version]
-            try:
-                ray.get(self.engines[agent].call.remote(agent, _name(Agent.take_weights), ref, version),
-                        timeout=self.timeout_of(Agent.take_weights))
-            except ray.exceptions.GetTimeoutError:
-                raise TrainerFailure(agent, "generate", "its rollout engine took no weights within "
-                                     f"{self.timeout_of(Agent.take_weights):g}s (hung)", True) from None
-            except ray.exceptions.RayActorError as exc:
-                raise TrainerFailure(agent, "generate", f"its rollout engine's process, or its learner's, died "
-                                     f"({one_line(exc)[:200]})", True) from None
-            except ray.exceptions.RayTaskError as exc:
-                raise TrainerFailure(agent, "generate", f"its rollout engine could not take the weights: "
-                                     f"{describe(exc.cause or exc)}", False) from None
-            self.engine_version[agent] = version
-            floor = self.planned.get(agent, version)
-            for old in [v for v in published if v < floor]:
-                del published[old]
 
     def _failure(self, agent: str, rank: int, method: str, reason: str, recoverable: bool):
         size = len(self.workers[agent])

@@ -13,7 +13,7 @@ through the same methods.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent_trainer import process_memory, storage
 from agent_trainer.dispatch import Dispatch, Publish, Timeout, check_registered, register
@@ -112,6 +112,19 @@ class Agent(Served):
 
         with self._trainer.selected():
             self._trainer.take_weights(weight_wire.unpack(weights), version)
+
+    @register(Dispatch.RANK_ZERO)
+    def send_weights(self, channel: Any, version: int) -> int:
+        """The learner: send its weights, as policy `version`, over `channel` (`weight_channel.WeightChannel`, which
+        its trainer process holds) to the engine receiving them; the bytes sent."""
+        with self._trainer.selected():
+            return channel.send(self._trainer.published_weights(), version, self._trainer.policy_version)
+
+    @register(Dispatch.RANK_ZERO)
+    def receive_weights(self, channel: Any, version: int) -> None:
+        """An engine process: receive the learner's weights at policy `version` over `channel`, into its own."""
+        with self._trainer.selected():
+            self._trainer.receive_weights(channel, version)
 
     @register(Dispatch.RANK_ZERO)
     def score(self, request: ScoreRequest) -> list[list[float]]:

@@ -408,6 +408,15 @@ class AgentTrainer:
         self.engine.sync(self.model)
         self.policy_version = version
 
+    def receive_weights(self, channel, version: int) -> None:
+        """Receive the weights of policy `version` over `channel` (`weight_channel.WeightChannel`) into the ones it
+        samples with (`published_weights`: the full model's, or an adapter agent's adapter), in place. Until they
+        are all in, the trainer holds no policy version: a transfer cut short leaves nothing a generate accepts."""
+        self.policy_version = -1
+        channel.receive(self.published_weights(), version)
+        self.engine.sync(self.model)
+        self.policy_version = version
+
     def _set_weights(self, model) -> None:
         """Make `model` the policy, on this trainer's device, and put its weights into the rollout engine."""
         attention.use(model)

@@ -67,6 +67,9 @@ class SyncRollouts:
     def updating(self, step: int, training: list[str]) -> None:
         pass
 
+    def settle(self, step: int) -> None:
+        pass
+
     def updated(self, step: int, training: list[str]) -> None:
         pass
 
@@ -131,6 +134,7 @@ class AsyncRollouts:
         self.agents = list(cfg.agents)
         self.bounds = source.plan.staleness_bounds
         self.apart = set(getattr(source.pool, "engines_apart", ()))  # agents whose rollout engine is a process of its own
+        self.pushed = set(getattr(source.pool, "engines_pushed", ()))  # of those, engines that hold one version only
         self.steps = cfg.train.steps
         self.limit = self.steps + lag  # the first step not played: the last checkpoint keeps the L after the run's end
         self.base = state.step
@@ -245,7 +249,22 @@ class AsyncRollouts:
             self.cond.notify_all()
         if set(training) - self.apart:
             self._wait(lambda: self._played_through(step + self.lag))
+        elif pushed := sorted(set(training) & self.pushed):
+            # an engine fed by a weight channel holds one version and can take only its learner's current one: the
+            # rollouts that draw with older weights are played first, and the current weights are put into the
+            # engine now if a rollout still to play draws with them (the one `lag` steps ahead)
+            self._wait(lambda: self._played_through(step + self.lag - 1))
+            if not self._played_through(step + self.lag):
+                for agent in pushed:
+                    self.source.pool.push_weights(agent)
         self.update_start = time.perf_counter()
+
+    def settle(self, step: int) -> None:
+        """Before an evaluation after the updates of the steps before `step`: with an engine that holds one version
+        (a weight channel), the rollouts that draw with older weights are played first, so that the evaluation's
+        newest weights do not replace them under a rollout still playing."""
+        if self.pushed:
+            self._wait(lambda: self._played_through(step - 1 + self.lag))
 
     def updated(self, step: int, training: list[str]) -> None:
         end = time.perf_counter()

@@ -71,6 +71,10 @@ class Session:
                         "model_load_s": max(loads, default=0.0), "total_s": time.perf_counter() - began}
         self.precision = {a: i["precision"] for a, i in info.items() if "precision" in i}
         self.say_precision()
+        transfers = {a: i["weight_transfer"] for a, i in info.items() if "weight_transfer" in i}
+        if transfers:
+            print("marsi: weights to the rollout engines apart: " + "; ".join(f"{a} by {t}" for a, t in
+                                                                              transfers.items()), flush=True)
         if self.log is not None and not self.resuming:
             self.log.write_config(self.config)
             self.log.snapshot_sources([self.config.environment.name, self.config.data.factory])

@@ -131,6 +131,7 @@ class StepLoop:
         self.unsaved = coord.log is not None
         # evaluate (before the checkpoint: a kill during it replays the step and the evaluation)
         if coord.evaluation is not None and coord.evaluation.due(state.step):
+            rollouts.settle(state.step)
             coord.evaluate()
         # checkpoint
         every, at_end = cfg.checkpoint_every, state.step == cfg.steps or coord.stop_requested

@@ -3,7 +3,12 @@ the policy versions actions carry, K = 0 as the synchronous loop, and exact resu
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
+import threading
+import time
 from contextlib import nullcontext
 from unittest import mock
 
@@ -280,30 +285,37 @@ def test_a_separate_engine_needs_ray_and_an_agent_on_a_host_of_its_own():
         validate_config(raw)
 
 
-def _placed(placement: str) -> dict:
-    """Engines in the learners' processes (in this process: no Ray) or in processes of their own (Ray)."""
-    raw = config(turns=2, ray=placement == "separate", train={"steps": 4, "max_staleness": 1},
+def _placed(placement: str, k: int = 1) -> dict:
+    """Engines in the learners' processes (in this process: no Ray) or in processes of their own (Ray), taking the
+    weights by a gloo group (`group`) or through Ray's object store (`store`)."""
+    raw = config(turns=2, ray=placement != "colocated", train={"steps": 4, "max_staleness": k},
                  eval={"data": {"factory": f"{ENVS}:held_out"}, "every": 1})  # evaluations between planned versions
     for spec in raw["agents"].values():
-        spec["rollout"] = {"placement": placement, **({"resources": {"num_cpus": 0.5}} if placement == "separate" else {})}
+        spec["rollout"] = ({"placement": "colocated"} if placement == "colocated" else
+                           {"placement": "separate", "resources": {"num_cpus": 0.5}, "weight_transfer": placement})
     return raw
 
 
-def test_a_separate_engine_samples_in_its_own_process_the_version_its_learner_published(ray_cluster):
-    """The engines of their own take each planned version from the object store: on the tiny model (float32) the
-    run's metrics equal those of engines in the learners' processes (an in-process run's, as a Ray run's with
-    colocated engines are: tests/test_reliability.py), update for update, with K = 1."""
+@pytest.mark.parametrize("k,transfers", [(1, ("group", "store")), (2, ("group",))])
+def test_a_separate_engine_samples_in_its_own_process_the_version_its_learner_published(ray_cluster, k, transfers):
+    """The engines of their own take each planned version, by a gloo group with their learners or from the object
+    store: on the tiny model (float32) the run's metrics equal those of engines in the learners' processes (an
+    in-process run's, as a Ray run's with colocated engines are: tests/test_reliability.py), update for update,
+    with K = 1 and, by the group (whose engine holds one version at a time), with K = 2."""
     runs = {}
-    for placement in ("colocated", "separate"):
-        with Coordinator(validate_config(_placed(placement)), None) as coord:
-            info = coord.pool.info()
+    for placement in ("colocated", *transfers):
+        with Coordinator(validate_config(_placed(placement, k)), None) as coord:
+            info = coord.pool.start_info
             runs[placement] = coord.run() + [coord.evaluate()]
-        if placement == "separate":
+        if placement != "colocated":
             assert all(i["rollout_engine"]["pid"] != i["pid"] for i in info.values())
-            assert coord.lag == 1
+            assert coord.lag == k
+            said = "a gloo group with its learner" if placement == "group" else "Ray's object store"
+            assert all(i["weight_transfer"].startswith(said) for i in info.values())
     strip = lambda rows: [computed(r) for r in rows]
-    assert strip(runs["separate"]) == strip(runs["colocated"])
-    assert [r["staleness/a/max"] for r in runs["separate"][:-1]] == [0, 1, 1, 1]
+    for placement in transfers:
+        assert strip(runs[placement]) == strip(runs["colocated"]), placement
+        assert [r["staleness/a/max"] for r in runs[placement][:-1]] == [min(s, k) for s in range(4)]
 
 
 def test_validate_says_how_far_ahead_rollouts_run(tmp_path):
@@ -330,3 +342,57 @@ def test_an_evaluation_partner_of_an_agent_with_an_engine_apart_samples_in_its_o
     assert partner.rollout.placement == "colocated" and partner.rollout.resources is None
     trainers = cfg.model_copy(update={"agents": {**cfg.agents, name: partner}})
     assert list(plan_of(trainers).engine_resources) == ["a"]
+
+
+def _one_agent_apart(steps: int, **train) -> dict:
+    raw = config(agents=("a",), ray=True, train={"steps": steps, "max_staleness": 1, **train})
+    raw["agents"]["a"]["rollout"] = {"placement": "separate", "resources": {"num_cpus": 0.5}}
+    return raw
+
+
+def test_a_broadcast_whose_engine_hangs_or_dies_is_a_failure_of_its_agent_that_names_the_engine(ray_cluster):
+    """The learner waits in the broadcast for an engine that is stopped (SIGSTOP): the pool gives up at the call
+    timeout; then the engine is killed while the learner waits in the broadcast: the learner is freed at once and
+    the failure is a recoverable one of the agent, naming its engine's death."""
+    from agent_trainer.handle import TrainerFailure
+
+    with Coordinator(validate_config(_one_agent_apart(1, call_timeout_s=3)), None) as coord:
+        coord.run()  # the engine holds version 0, the learner 1
+        pool, engine = coord.pool, coord.pool.start_info["a"]["rollout_engine"]["pid"]
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            with pytest.raises(TrainerFailure) as hung:
+                pool.push_weights("a")
+            assert hung.value.recoverable
+            assert_quoted(str(hung.value))
+            pool.call_timeout = 60.0
+            outcome = {}
+            pusher = threading.Thread(target=lambda: outcome.update(
+                error=_raised(lambda: pool.push_weights("a"))))
+            pusher.start()
+            time.sleep(1.0)  # the learner is in the broadcast, waiting for the stopped engine
+            os.kill(engine, signal.SIGKILL)
+            pusher.join(30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine, signal.SIGCONT)
+        error = outcome["error"]
+        assert isinstance(error, TrainerFailure) and error.recoverable
+        assert_quoted(str(error))
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        return exc
+    return None
+
+
+def test_a_run_whose_engine_apart_is_killed_restarts_and_ends_as_if_uninterrupted(ray_cluster, tmp_path):
+    raw = _one_agent_apart(4)
+    uninterrupted = uninterrupted_rows(validate_config(raw), tmp_path / "whole")
+    with Coordinator(validate_config(raw), tmp_path / "run") as coord:
+        run_killing(coord, coord.pool.start_info["a"]["rollout_engine"]["pid"], at_step=2)
+        assert coord.restarts == 1
+    assert without_times(rows(tmp_path / "run")) == uninterrupted

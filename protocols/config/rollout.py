@@ -64,7 +64,7 @@ class RolloutConfig(_Strict):
     placement: Literal["colocated", "separate"] = "colocated"
     """Where the engine samples: `colocated`, in the agent's trainer process (the learner's weights, or beside them);
     `separate`, in a Ray actor of its own with its own copy of the weights (`resources`), which takes each policy
-    version the learner publishes through Ray's object store when a generate asks for it, so that with
+    version of the learner's when a generate asks for it (`weight_transfer`), so that with
     `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray, on an
     agent on a host of its own; either engine (`hf`, `vllm`). An adapter agent's engine holds the base and takes
     only the adapter's weights. A data-parallel agent's engine is one process, fed by worker 0, that samples
@@ -72,6 +72,12 @@ class RolloutConfig(_Strict):
     several workers)."""
     resources: ResourcesConfig | None = None
     """`placement: separate`: the engine actor's CPUs and GPUs; None: the same as the agent's `resources`."""
+    weight_transfer: Literal["group", "store"] = "group"
+    """`placement: separate`: how the engine takes its learner's weights. `group`: a torch.distributed group of the
+    two processes (gloo on CPU, NCCL on GPU), the learner broadcasting its live tensors into the engine's, in
+    buckets; Ray's object store where no group can be formed (said at start). The engine then holds one version at
+    a time, so with `train.max_staleness` above 1 an update waits for the rollouts that draw with the weights before
+    it. `store`: each version the learner publishes, through Ray's object store."""
     max_staleness: int | None = Field(None, ge=0)
     """Most policy versions this agent's actions (and its partners' in the same episode) may be behind their
     learners when this agent's update uses them; staler ones are dropped and counted (`staleness/NAME/dropped`).
@@ -105,6 +111,10 @@ def separate_engine_problem(name: str, agent: AgentConfig, ray_enabled: bool) ->
             return (f"agents.{name}.rollout.resources: engine resources are given but agents.{name}.rollout.placement "
                     f"is 'colocated' (the engine shares the trainer's); set agents.{name}.rollout.placement: separate "
                     f"or remove agents.{name}.rollout.resources")
+        if rollout.weight_transfer != "group":  # a saved config spells out the default
+            return (f"agents.{name}.rollout.weight_transfer: {rollout.weight_transfer} is how an engine of its own takes "
+                    f"the weights, but agents.{name}.rollout.placement is 'colocated' (the engine shares the trainer's); "
+                    f"set agents.{name}.rollout.placement: separate or remove agents.{name}.rollout.weight_transfer")
         return None
     key = f"agents.{name}.rollout.placement: separate"
     if not ray_enabled:
