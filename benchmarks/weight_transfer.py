@@ -4,14 +4,21 @@
 
 `rollout.placement: separate` puts an agent's engine in a Ray actor of its own; after every update the learner
 publishes its weights and the engine takes the version a generate names (`RayTrainers._publish`, `_sync_engine`).
-One transfer here is exactly that pair of calls, timed from the publish to the engine holding the version: the
-learner copies its weights to the CPU and Ray's object store, the engine reads them from the store and loads them
-into its model. Two agents, each run alone: a full model (every weight) and an adapter agent (LoRA of `--rank` on
-every linear layer: only the adapter's tensors travel).
+One transfer here is exactly that pair of calls, timed from the publish to the engine holding the version, the
+engine made to forget what it holds first, by either `rollout.weight_transfer`:
+
+- `group`: the learner broadcasts its live tensors over a gloo group of the two processes, into the engine's own
+  (`agent_trainer.weight_channel`); the publish only records the version.
+- `store`: the learner copies its weights to the CPU and Ray's object store; the engine reads them from the store
+  and loads them into its model.
+
+Two agents, each run alone: a full model (every weight) and an adapter agent (LoRA of `--rank` on every linear
+layer: only the adapter's tensors travel).
 
 The floor is one copy of the same tensors in one process (`dst.copy_(src)` for each, one thread, the destination
-written before so no page is new): the least a transfer of those bytes costs. Printed per agent: bytes, the median
-transfer, the median copy and their ratio. Last line: `weight transfer / one copy: full R, adapter R`.
+written before so no page is new; a tied embedding once): the least a transfer of those bytes costs. Printed per agent and transfer:
+bytes, the median transfer, the median copy and their ratio. Last line: `weight transfer / one copy: full R,
+adapter R` for the group (the default), the object store's in brackets.
 """
 
 from __future__ import annotations
@@ -38,10 +45,10 @@ from protocols.config import validate_config  # noqa: E402
 LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def config(model: str, adapter_rank: int | None):
+def config(model: str, adapter_rank: int | None, transfer: str):
     raw = bc.marsi_config(num_agents=1, model=model, steps=1, ray=True, num_cpus=0.5, ray_cpus=1.0).model_dump()
     agent = raw["agents"]["a0"]
-    agent["rollout"] = {"placement": "separate", "resources": {"num_cpus": 0.5}}
+    agent["rollout"] = {"placement": "separate", "resources": {"num_cpus": 0.5}, "weight_transfer": transfer}
     if adapter_rank:
         agent["adapter"] = {"rank": adapter_rank, "alpha": 2 * adapter_rank, "target_modules": LINEAR}
     return validate_config(raw)
@@ -60,20 +67,34 @@ def copy_seconds(tensors: dict[str, torch.Tensor], repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def measure(model: str, adapter_rank: int | None, repeats: int) -> dict:
-    with Coordinator(config(model, adapter_rank)) as coord:
+def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` without those equal to an earlier one of the same shape (a tied embedding and output layer arrive
+    from the store as two arrays): the agent's weights, each once."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not any(t.shape == tensor.shape and torch.equal(t, tensor) for t in out.values()):
+            out[name] = tensor
+    return out
+
+
+def measure(model: str, adapter_rank: int | None, transfer: str, repeats: int) -> dict:
+    with Coordinator(config(model, adapter_rank, transfer)) as coord:
         pool, agent = coord.pool, "a0"
-        tensors = weight_wire.unpack(pool.ask(Agent.published_weights, [agent])[agent])
+        said = pool.start_info[agent]["weight_transfer"]
+        if (transfer == "group") != said.startswith("a gloo group"):
+            raise SystemExit(f"weight_transfer {transfer}: the run took its weights by {said}")
+        tensors = untied(weight_wire.unpack(pool.ask(Agent.published_weights, [agent])[agent]))
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         times = []
-        for version in range(1, repeats + 2):  # a new version each time: the engine takes every one
+        for _ in range(repeats + 1):  # the learner's version 0 each time, the engine made to forget it before
+            pool.engine_version[agent] = None
             start = time.perf_counter()
-            pool._publish([agent], {agent: version})
-            pool._sync_engine(agent, version)
+            pool._publish([agent], {agent: 0})
+            pool._sync_engine(agent, 0)
             times.append(time.perf_counter() - start)
         floor = copy_seconds(tensors, repeats)
-    transfer = statistics.median(times[1:])  # the first pays for warming the store
-    return {"bytes": size, "tensors": len(tensors), "transfer": transfer, "copy": floor}
+    seconds = statistics.median(times[1:])  # the first pays for warming the store
+    return {"bytes": size, "tensors": len(tensors), "transfer": seconds, "copy": floor}
 
 
 def main() -> None:
@@ -83,15 +104,19 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="the adapter agent's LoRA rank")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"weight transfer, learner -> engine of its own (Ray object store); before: {bc.load_line()}")
+    print(f"weight transfer, learner -> engine of its own; before: {bc.load_line()}")
     print(bc.machine_line())
-    rows = {"full": measure(args.model, None, args.repeats), "adapter": measure(args.model, args.rank, args.repeats)}
+    rows = {(name, transfer): measure(args.model, rank, transfer, args.repeats)
+            for name, rank in (("full", None), ("adapter", args.rank)) for transfer in ("group", "store")}
     print(f"after: {bc.load_line()}")
-    print(f"{'agent':8s} {'tensors':>8s} {'MB':>9s} {'transfer s':>11s} {'one copy s':>11s} {'ratio':>7s}")
-    for name, r in rows.items():
-        print(f"{name:8s} {r['tensors']:8d} {r['bytes'] / 1e6:9.1f} {r['transfer']:11.4f} {r['copy']:11.4f} "
-              f"{r['transfer'] / r['copy']:7.1f}")
-    print("weight transfer / one copy: " + ", ".join(f"{n} {r['transfer'] / r['copy']:.1f}" for n, r in rows.items()))
+    print(f"{'agent':8s} {'transfer':9s} {'tensors':>8s} {'MB':>9s} {'transfer s':>11s} {'one copy s':>11s} "
+          f"{'ratio':>7s}")
+    for (name, transfer), r in rows.items():
+        print(f"{name:8s} {transfer:9s} {r['tensors']:8d} {r['bytes'] / 1e6:9.1f} {r['transfer']:11.4f} "
+              f"{r['copy']:11.4f} {r['transfer'] / r['copy']:7.1f}")
+    ratio = {key: r["transfer"] / r["copy"] for key, r in rows.items()}
+    print("weight transfer / one copy: " + ", ".join(f"{n} {ratio[n, 'group']:.1f}" for n in ("full", "adapter"))
+          + " (object store: " + ", ".join(f"{n} {ratio[n, 'store']:.1f}" for n in ("full", "adapter")) + ")")
 
 
 if __name__ == "__main__":
