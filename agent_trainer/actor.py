@@ -196,9 +196,9 @@ class _TrainerActor:
         return self.channel_stores[agent].port
 
     def join_weight_channel(self, agent: str, *, address: str, port: int, rank: int, rendezvous_s: float,
-                            timeout_s: float) -> str:
+                            timeout_s: float, local: bool) -> str:
         """Join `agent`'s weight channel (`agent_trainer.weight_channel`) as its learner (rank 0, which opened the
-        store) or its engine (rank 1); the backend. `timeout_s` bounds each transfer."""
+        store) or its engine (rank 1); the backend. `timeout_s` bounds each transfer; `local`: both on one node."""
         import datetime
 
         import torch.distributed as dist
@@ -210,7 +210,7 @@ class _TrainerActor:
                                                        timeout=datetime.timedelta(seconds=rendezvous_s))
         device = self.host.trainers[agent].device
         self.channels[agent] = WeightChannel(self.channel_stores[agent], rank, device=device, timeout_s=timeout_s,
-                                             agent=agent)
+                                             agent=agent, local=local)
         return self.channels[agent].backend
 
     def send_weights(self, agent: str, version: int) -> int:

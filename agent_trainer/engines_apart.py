@@ -54,8 +54,9 @@ class EnginesApart:
             try:
                 port = ray.get(learner.open_weight_store.remote(agent, address=address, timeout_s=rendezvous_s),
                                timeout=rendezvous_s)
+                local = info[agent]["node"] == info[agent]["rollout_engine"]["node"]
                 refs = [actor.join_weight_channel.remote(agent, address=address, port=port, rank=rank,
-                                                         rendezvous_s=rendezvous_s, timeout_s=timeout_s)
+                                                         rendezvous_s=rendezvous_s, timeout_s=timeout_s, local=local)
                         for rank, actor in enumerate((learner, engine))]
                 backend, _ = ray.get(refs, timeout=2 * rendezvous_s)
             except ray.exceptions.RayActorError as exc:
@@ -69,7 +70,9 @@ class EnginesApart:
                 info[agent]["weight_transfer"] = f"Ray's object store (no process group could be formed: {reason})"
                 continue
             self.channels[agent] = backend
-            info[agent]["weight_transfer"] = f"a {backend} group with its learner"
+            info[agent]["weight_transfer"] = (f"a {backend} group with its learner"
+                                              + (", into shared memory on their node" if local and backend == "gloo"
+                                                 else ""))
 
     def push_weights(self, agent: str) -> None:
         """Put `agent`'s learner's current weights into its engine now, unless it holds them: an engine fed by a

@@ -413,7 +413,7 @@ class AgentTrainer:
         samples with (`published_weights`: the full model's, or an adapter agent's adapter), in place. Until they
         are all in, the trainer holds no policy version: a transfer cut short leaves nothing a generate accepts."""
         self.policy_version = -1
-        channel.receive(self.published_weights(), version)
+        channel.receive(self.published_weights(), version, owner=self.model)
         self.engine.sync(self.model)
         self.policy_version = version
 

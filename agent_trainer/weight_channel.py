@@ -11,6 +11,11 @@ Every transfer opens with a header that both sides check before any weight moves
 holds against the one asked for, and the tensors' names and shapes against the engine's. Either side's refusal is
 seen by both (an all-reduce of the verdicts), so neither waits for a transfer that will not come.
 
+On one node, with a CPU engine, the bytes do not go over the group's socket: the engine's weights become shared
+memory at the first transfer and the learner writes each version there (`agent_trainer.shared_weights`), the group
+carrying the header and the word that the learner is done. Over gloo's TCP transport a SmolLM2 version took 18x
+the time of one in-memory copy of its weights; written into shared memory, about one copy (benchmarks/RESULTS.md).
+
 The group is private to the two processes (its own store, not the default group a data-parallel learner is in);
 `agent_trainer.actor` forms it at start, or falls back to Ray's object store (`weight_wire`) where it cannot."""
 
@@ -18,7 +23,10 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 from typing import TYPE_CHECKING
+
+from agent_trainer.shared_weights import EngineSegment, LearnerViews
 
 if TYPE_CHECKING:  # torch loads in the trainers only
     import torch
@@ -26,6 +34,7 @@ if TYPE_CHECKING:  # torch loads in the trainers only
 
 _BUCKET_BYTES = 16 << 20
 LEARNER, ENGINE = 0, 1
+_BROADCAST, _SHARED = 1, 2  # how the bytes go: broadcast over the group, or written into the engine's shared memory
 
 
 def _dtypes() -> list:
@@ -85,12 +94,17 @@ class ChannelRefused(RuntimeError):
 class WeightChannel:
     """One side of the two-process group between an agent's learner and its engine."""
 
-    def __init__(self, store: dist.Store, rank: int, *, device: torch.device, timeout_s: float, agent: str):
+    def __init__(self, store: dist.Store, rank: int, *, device: torch.device, timeout_s: float, agent: str,
+                 local: bool = False):
+        """`local`: the two processes are on one node, where a CPU engine's weights can be shared memory."""
         import torch.distributed as dist
 
         self.rank, self.device, self.agent = rank, device, agent
+        self.local = local and device.type == "cpu"
+        self.segment: EngineSegment | None = None  # the engine's, once its weights are shared memory
+        self.views: LearnerViews | None = None  # the learner's map of that segment
         timeout = datetime.timedelta(seconds=timeout_s)
-        prefixed = dist.PrefixStore(f"marsi-weights/{agent}", store)
+        prefixed = self.store = dist.PrefixStore(f"marsi-weights/{agent}", store)
         if device.type == "cuda":
             import torch
 
@@ -116,7 +130,12 @@ class WeightChannel:
         self._broadcast(header)
         mine = "" if holds == version else (f"its learner holds policy version {holds}, not the {version} asked "
                                             "for")
-        self._agree(mine)
+        if self._agree(mine, _SHARED if self.local else _BROADCAST) == _SHARED:
+            if self.views is None:  # the engine laid its weights out in shared memory at the first transfer
+                self.views = LearnerViews(json.loads(self.store.get("segment")))
+            written = self.views.write(entries)
+            self._broadcast(torch.ones(1, device=self.device))  # done: the engine may sample again
+            return written
         self._broadcast(torch.tensor(codes, dtype=torch.int8, device=self.device))
         sent = 0
         for group in buckets([(t.numel() * t.element_size(), t.dtype) for _, t in entries]):
@@ -126,8 +145,10 @@ class WeightChannel:
             sent += flat.numel() * flat.element_size()
         return sent
 
-    def receive(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """The engine: receive policy `version` into `tensors` (its own live weights), in place."""
+    def receive(self, tensors: dict[str, torch.Tensor], version: int, owner: torch.nn.Module | None = None) -> None:
+        """The engine: receive policy `version` into `tensors` (its own live weights, named as in `owner`), in place.
+        On the learner's node, with `owner` given, the first transfer moves them into shared memory, where the
+        learner writes every version (`agent_trainer.shared_weights`)."""
         import torch
 
         entries = unique(tensors)
@@ -140,7 +161,14 @@ class WeightChannel:
         elif count != len(entries) or digest != layout_digest(entries):
             mine = (f"the learner sends {count} tensors, the engine holds {len(entries)} (or their names or shapes "
                     "differ); learner and engine must load the same model (and attach the same adapter)")
-        self._agree(mine)
+        shared = self.local and owner is not None
+        if shared and not mine and self.segment is None:
+            self.segment = EngineSegment(entries, owner)
+            self.store.set("segment", json.dumps(self.segment.layout))
+        if self._agree(mine, _SHARED if shared else _BROADCAST) == _SHARED:
+            self._broadcast(torch.zeros(1, device=self.device))  # the learner has written every tensor
+            self.segment.forget_name()  # both processes map it now
+            return
         codes = torch.zeros(count, dtype=torch.int8, device=self.device)
         self._broadcast(codes)
         dtypes = [_dtypes()[c] for c in codes.tolist()]
@@ -170,12 +198,13 @@ class WeightChannel:
     def _broadcast(self, tensor: torch.Tensor) -> None:
         self.group.broadcast(tensor, LEARNER).wait()
 
-    def _agree(self, mine: str) -> None:
-        """Both sides' verdicts on the header: raise ChannelRefused on both unless both accept."""
+    def _agree(self, mine: str, way: int) -> int:
+        """Both sides' verdicts on the header: raise ChannelRefused on both unless both accept; the way the bytes
+        go, the one both sides can take (`_SHARED` only where both can)."""
         import torch
         import torch.distributed as dist
 
-        verdict = torch.tensor([0 if mine else 1], dtype=torch.int64, device=self.device)
+        verdict = torch.tensor([0 if mine else way], dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
         self.group.allreduce([verdict], options).wait()
@@ -185,3 +214,4 @@ class WeightChannel:
             side = "engine" if self.rank == LEARNER else "learner"
             raise ChannelRefused(self.agent, f"weights not sent to its rollout engine: its {side} refused the "
                                  "transfer (its error says why)")
+        return int(verdict.item())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def tiny_model(seed: int):
     return transformers.LlamaForCausalLM(config)
 
 
-def _pair(timeout_s: float = 30.0) -> tuple[WeightChannel, WeightChannel]:
+def _pair(timeout_s: float = 30.0, local: bool = False) -> tuple[WeightChannel, WeightChannel]:
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
     sides = {}
@@ -33,10 +34,11 @@ def _pair(timeout_s: float = 30.0) -> tuple[WeightChannel, WeightChannel]:
     def join(rank):
         joined = store if rank == 0 else dist.TCPStore("127.0.0.1", store.port, 2, is_master=False,
                                                         timeout=datetime.timedelta(seconds=30))
-        sides[rank] = WeightChannel(joined, rank, device=torch.device("cpu"), timeout_s=timeout_s, agent="alice")
+        sides[rank] = WeightChannel(joined, rank, device=torch.device("cpu"), timeout_s=timeout_s, agent="alice",
+                                    local=local)
 
     _both(join, (0,), (1,))
-    sides[0].store = store  # the master store lives as long as the channel
+    sides[0].master = store  # the master store lives as long as the channel
     return sides[0], sides[1]
 
 
@@ -56,9 +58,9 @@ def _both(fn, first: tuple, second: tuple) -> dict:
     return out
 
 
-def _transfer(learner, engine, sent: dict, received: dict, version: int, holds: int) -> dict:
+def _transfer(learner, engine, sent: dict, received: dict, version: int, holds: int, owner=None) -> dict:
     return _both(lambda side, *args: side.send(*args) if side is learner else side.receive(*args),
-                 (learner, sent, version, holds), (engine, received, version))
+                 (learner, sent, version, holds), (engine, received, version, owner))
 
 
 def test_a_model_arrives_bit_for_bit_in_place_with_a_tied_embedding_sent_once():
@@ -109,3 +111,37 @@ def test_a_side_left_alone_fails_at_the_channels_timeout_instead_of_waiting_for_
     learner, _ = _pair(timeout_s=1.0)
     with pytest.raises(RuntimeError, match="(?i)timed out|timeout"):
         learner.send({"w": torch.ones(2)}, 0, 0)
+
+
+def test_on_one_node_the_engines_weights_become_shared_memory_that_the_learner_writes_each_version_into():
+    source, target = tiny_model(seed=1), tiny_model(seed=2).to(torch.bfloat16)
+    learner, engine = _pair(local=True)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    for version in (0, 1):
+        if version:
+            with torch.no_grad():  # the learner's next version
+                for p in source.parameters():
+                    p.add_(0.01)
+        out = _transfer(learner, engine, source.state_dict(), target.state_dict(), version, version, target)
+        assert out[1] is None
+        assert out[0] == sum(t.numel() * 2 for _, t in unique(target.state_dict()))  # bf16 bytes, the tie once
+        if version == 0:
+            segment = engine.segment
+            at = {n: p.data_ptr() for n, p in target.named_parameters()}
+            assert not (Path("/dev/shm") / segment.memory.name).exists()  # nothing named is left to leak
+        assert {n: p.data_ptr() for n, p in target.named_parameters()} == at  # the same memory each version
+        assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()  # still tied
+        assert all(torch.equal(target.state_dict()[n], t.to(torch.bfloat16)) for n, t in source.state_dict().items())
+        with torch.no_grad():
+            assert torch.equal(target(ids).logits, source.to(torch.bfloat16)(ids).logits)
+        source.float()
+    base = segment.memory.buf
+    assert all(0 <= p.data_ptr() - torch.frombuffer(base, dtype=torch.uint8).data_ptr() < len(base)
+               for p in target.parameters())  # every weight lives in the segment
+
+
+def test_without_the_module_the_engine_takes_the_broadcast_even_on_one_node():
+    sent, received = {"w": torch.ones(3, 3)}, {"w": torch.zeros(3, 3)}
+    learner, engine = _pair(local=True)
+    assert _transfer(learner, engine, sent, received, 0, 0) == {0: 36, 1: None}
+    assert engine.segment is None and received["w"].eq(1).all()

@@ -1,0 +1,103 @@
+"""An engine's weights in shared memory, which its learner on the same node writes into: one copy per version.
+
+Over a socket (gloo's TCP transport) a policy version costs the bytes' trip through the kernel on both sides; on
+one node the engine instead moves its own weights into a shared-memory segment once (`EngineSegment`: each
+tensor becomes a view of the segment, so the engine computes with them there, and holds no second copy), and its
+learner maps that segment and copies its tensors into it at each version (`LearnerViews`), casting where the two
+hold different dtypes. The weight channel (`agent_trainer.weight_channel`) orders the two: the engine is waiting
+in the channel while the learner writes, and samples again only once the learner says it is done.
+
+The segment's name exists only until the first version has arrived, when both processes map it: a process
+killed after that leaves nothing behind, and one killed before it is cleaned up by Python's resource tracker."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from multiprocessing import shared_memory
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+_ALIGN = 64
+_names = itertools.count()
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _tensor_of(owner: torch.nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer `name` of `owner` (the object the module holds, not a copy)."""
+    try:
+        return owner.get_parameter(name)
+    except AttributeError:
+        return owner.get_buffer(name)
+
+
+class EngineSegment:
+    """The engine's side: its tensors `entries` (named as in `owner`) moved into a new segment, in place."""
+
+    def __init__(self, entries: list[tuple[str, torch.Tensor]], owner: torch.nn.Module):
+        import torch
+
+        offsets, total = [], 0
+        for _, tensor in entries:
+            offsets.append(total)
+            total += _aligned(tensor.numel() * tensor.element_size())
+        self.memory = shared_memory.SharedMemory(name=f"marsi-weights-{os.getpid()}-{next(_names)}", create=True,
+                                                 size=max(total, _ALIGN))
+        base = torch.frombuffer(self.memory.buf, dtype=torch.uint8)
+        self.layout: dict[str, Any] = {"name": self.memory.name, "tensors": []}
+        with torch.no_grad():
+            for (name, tensor), offset in zip(entries, offsets):
+                nbytes = tensor.numel() * tensor.element_size()
+                view = base[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+                view.copy_(tensor)
+                _tensor_of(owner, name).data = view  # the module computes with the segment from now on
+                self.layout["tensors"].append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
+                                               offset])
+        self.named = True
+
+    def forget_name(self) -> None:
+        """Once the learner maps the segment: remove its name (the memory lives while either process maps it)."""
+        if self.named:
+            self.memory.unlink()
+            self.named = False
+
+
+class LearnerViews:
+    """The learner's side: the engine's segment (`EngineSegment.layout`), mapped, as one view per tensor."""
+
+    def __init__(self, layout: dict[str, Any]):
+        import torch
+
+        try:
+            self.memory = shared_memory.SharedMemory(name=layout["name"], track=False)
+        except TypeError:  # Python < 3.13 tracks every segment it opens, and would unlink this one at exit
+            from multiprocessing import resource_tracker
+
+            self.memory = shared_memory.SharedMemory(name=layout["name"])
+            resource_tracker.unregister(self.memory._name, "shared_memory")  # noqa: SLF001 - as 3.13's track=False
+        base = torch.frombuffer(self.memory.buf, dtype=torch.uint8)
+        self.views = []
+        for name, dtype, shape, offset in layout["tensors"]:
+            dtype = getattr(torch, dtype)
+            numel = 1
+            for size in shape:
+                numel *= size
+            self.views.append((name, base[offset:offset + numel * dtype.itemsize].view(dtype).view(shape)))
+
+    def write(self, entries: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy `entries` (the learner's tensors, in the engine's order) into the segment; the bytes written."""
+        import torch
+
+        if [n for n, _ in entries] != [n for n, _ in self.views]:
+            raise ValueError("the engine's shared weights are laid out for other tensors than the learner's")
+        written = 0
+        with torch.no_grad():
+            for (_, tensor), (_, view) in zip(entries, self.views):
+                view.copy_(tensor)
+                written += view.numel() * view.element_size()
+        return written
