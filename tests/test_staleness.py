@@ -396,3 +396,16 @@ def test_a_run_whose_engine_apart_is_killed_restarts_and_ends_as_if_uninterrupte
         run_killing(coord, coord.pool.start_info["a"]["rollout_engine"]["pid"], at_step=2)
         assert coord.restarts == 1
     assert without_times(rows(tmp_path / "run")) == uninterrupted
+
+
+def test_where_no_process_group_forms_the_weights_go_through_the_object_store_and_the_start_says_why(
+        ray_cluster, capsys):
+    raw = _one_agent_apart(2)
+    raw["ray"]["env_vars"] = {"GLOO_SOCKET_IFNAME": "marsi-no-such-interface"}  # gloo finds no device to bind
+    with Coordinator(validate_config(raw), None) as coord:
+        said = coord.pool.start_info["a"]["weight_transfer"]
+        assert not coord.pool.engines_pushed
+        rows_ = coord.run()
+    assert said.startswith("Ray's object store (no process group could be formed: ") and "marsi-no-such-interface" in said
+    assert [r["step"] for r in rows_] == [1, 2]
+    assert f"marsi: weights to the rollout engines apart: a by {said}" in capsys.readouterr().out
