@@ -7,7 +7,8 @@ learner maps that segment and copies its tensors into it at each version (`Learn
 hold different dtypes. The weight channel (`agent_trainer.weight_channel`) orders the two: the engine is waiting
 in the channel while the learner writes, and samples again only once the learner says it is done.
 
-The segment's name exists only until the first version has arrived, when both processes map it: a process
+Where the node's shared memory (/dev/shm) cannot hold the weights, the engine says so (`NoRoom`) and the
+channel broadcasts instead. The segment's name exists only until the first version has arrived, when both processes map it: a process
 killed after that leaves nothing behind, and one killed before it is cleaned up by Python's resource tracker."""
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ def _tensor_of(owner: torch.nn.Module, name: str) -> torch.Tensor:
         return owner.get_buffer(name)
 
 
+class NoRoom(OSError):
+    """The node's shared memory cannot hold the engine's weights."""
+
+
 class EngineSegment:
     """The engine's side: its tensors `entries` (named as in `owner`) moved into a new segment, in place."""
 
@@ -48,6 +53,12 @@ class EngineSegment:
             total += _aligned(tensor.numel() * tensor.element_size())
         self.memory = shared_memory.SharedMemory(name=f"marsi-weights-{os.getpid()}-{next(_names)}", create=True,
                                                  size=max(total, _ALIGN))
+        try:  # every page now: a full /dev/shm (a container's is often 64 MB) refuses here, not with a SIGBUS later
+            os.posix_fallocate(self.memory._fd, 0, self.memory.size)  # noqa: SLF001 - the segment's own descriptor
+        except OSError as exc:
+            self.memory.close()
+            self.memory.unlink()
+            raise NoRoom(f"{self.memory.size} bytes of shared memory: {exc}") from None
         base = torch.frombuffer(self.memory.buf, dtype=torch.uint8)
         self.layout: dict[str, Any] = {"name": self.memory.name, "tensors": []}
         with torch.no_grad():

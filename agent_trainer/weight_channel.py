@@ -24,9 +24,10 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import warnings
 from typing import TYPE_CHECKING
 
-from agent_trainer.shared_weights import EngineSegment, LearnerViews
+from agent_trainer.shared_weights import EngineSegment, LearnerViews, NoRoom
 
 if TYPE_CHECKING:  # torch loads in the trainers only
     import torch
@@ -163,8 +164,13 @@ class WeightChannel:
                     "differ); learner and engine must load the same model (and attach the same adapter)")
         shared = self.local and owner is not None
         if shared and not mine and self.segment is None:
-            self.segment = EngineSegment(entries, owner)
-            self.store.set("segment", json.dumps(self.segment.layout))
+            try:
+                self.segment = EngineSegment(entries, owner)
+                self.store.set("segment", json.dumps(self.segment.layout))
+            except NoRoom as exc:  # broadcast, now and from now on
+                warnings.warn(f"agent {self.agent!r}: its rollout engine takes its weights by broadcast, not in "
+                              f"shared memory: no room for {exc}", stacklevel=2)
+                shared = self.local = False
         if self._agree(mine, _SHARED if shared else _BROADCAST) == _SHARED:
             self._broadcast(torch.zeros(1, device=self.device))  # the learner has written every tensor
             self.segment.forget_name()  # both processes map it now

@@ -145,3 +145,21 @@ def test_without_the_module_the_engine_takes_the_broadcast_even_on_one_node():
     learner, engine = _pair(local=True)
     assert _transfer(learner, engine, sent, received, 0, 0) == {0: 36, 1: None}
     assert engine.segment is None and received["w"].eq(1).all()
+
+
+def test_where_shared_memory_has_no_room_the_engine_takes_the_broadcast_and_says_so(monkeypatch):
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    source, target = tiny_model(seed=1), tiny_model(seed=2)
+    learner, engine = _pair(local=True)
+    with pytest.warns(UserWarning, match="agent 'alice': its rollout engine takes its weights by broadcast, not in "
+                                         "shared memory: no room for .* bytes of shared memory"):
+        out = _transfer(learner, engine, source.state_dict(), target.state_dict(), 0, 0, target)
+    assert out[1] is None and engine.segment is None and not engine.local
+    assert all(torch.equal(target.state_dict()[n], t) for n, t in source.state_dict().items())
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"marsi-weights-{os.getpid()}-")]
