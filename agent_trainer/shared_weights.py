@@ -42,34 +42,48 @@ class NoRoom(OSError):
 
 
 class EngineSegment:
-    """The engine's side: its tensors `entries` (named as in `owner`) moved into a new segment, in place."""
+    """The engine's side: a new segment laid out for its tensors `entries` (named as in `owner`), which `adopt` then
+    moves there. Made in two steps so that anything that can fail (a name `owner` does not hold, no room) fails
+    before a single tensor of the engine's has moved."""
 
     def __init__(self, entries: list[tuple[str, torch.Tensor]], owner: torch.nn.Module):
         import torch
 
+        self.targets = [_tensor_of(owner, name) for name, _ in entries]  # the module's own tensors
         offsets, total = [], 0
         for _, tensor in entries:
             offsets.append(total)
             total += _aligned(tensor.numel() * tensor.element_size())
         self.memory = shared_memory.SharedMemory(name=f"marsi-weights-{os.getpid()}-{next(_names)}", create=True,
                                                  size=max(total, _ALIGN))
+        self.named = True
         try:  # every page now: a full /dev/shm (a container's is often 64 MB) refuses here, not with a SIGBUS later
             os.posix_fallocate(self.memory._fd, 0, self.memory.size)  # noqa: SLF001 - the segment's own descriptor
         except OSError as exc:
-            self.memory.close()
-            self.memory.unlink()
+            self.discard()
             raise NoRoom(f"{self.memory.size} bytes of shared memory: {exc}") from None
         base = torch.frombuffer(self.memory.buf, dtype=torch.uint8)
-        self.layout: dict[str, Any] = {"name": self.memory.name, "tensors": []}
+        self.entries = [(name, base[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+                        for (name, t), offset in zip(entries, offsets)]  # the engine's tensors, once adopted
+        self.layout: dict[str, Any] = {"name": self.memory.name, "tensors": [
+            [name, str(t.dtype).removeprefix("torch."), list(t.shape), offset]
+            for (name, t), offset in zip(entries, offsets)]}
+
+    def adopt(self) -> None:
+        """Copy the engine's tensors into the segment and make the module compute with them there."""
+        import torch
+
         with torch.no_grad():
-            for (name, tensor), offset in zip(entries, offsets):
-                nbytes = tensor.numel() * tensor.element_size()
-                view = base[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
-                view.copy_(tensor)
-                _tensor_of(owner, name).data = view  # the module computes with the segment from now on
-                self.layout["tensors"].append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
-                                               offset])
-        self.named = True
+            for target, (_, view) in zip(self.targets, self.entries):
+                view.copy_(target)
+                target.data = view
+        self.targets = []
+
+    def discard(self) -> None:
+        """A segment not adopted: gone."""
+        self.entries = []
+        self.memory.close()
+        self.forget_name()
 
     def forget_name(self) -> None:
         """Once the learner maps the segment: remove its name (the memory lives while either process maps it)."""

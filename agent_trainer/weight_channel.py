@@ -126,17 +126,29 @@ class WeightChannel:
         import torch
 
         entries = unique(tensors)
-        codes = [_dtypes().index(t.dtype) for _, t in entries]
+        carried = _dtypes()
+        codes = [carried.index(t.dtype) if t.dtype in carried else -1 for _, t in entries]
         header = torch.tensor([version, len(entries), layout_digest(entries)], dtype=torch.int64, device=self.device)
         self._broadcast(header)
         mine = "" if holds == version else (f"its learner holds policy version {holds}, not the {version} asked "
                                             "for")
+        if -1 in codes and not mine:
+            name, tensor = entries[codes.index(-1)]
+            mine = f"its learner's tensor {name} is {tensor.dtype}, which the weight channel does not carry"
         if self._agree(mine, _SHARED if self.local else _BROADCAST) == _SHARED:
-            if self.views is None:  # the engine laid its weights out in shared memory at the first transfer
-                self.views = LearnerViews(json.loads(self.store.get("segment")))
-            written = self.views.write(entries)
-            self._broadcast(torch.ones(1, device=self.device))  # done: the engine may sample again
-            return written
+            written = None
+            try:
+                if self.views is None:  # the engine laid its weights out in shared memory at the first transfer
+                    self.views = LearnerViews(json.loads(self.store.get("segment")))
+                written = self.views.write(entries)
+            except Exception as exc:  # noqa: BLE001 - said, and the broadcast takes over
+                warnings.warn(f"agent {self.agent!r}: its learner sends its weights by broadcast: it cannot write "
+                              f"into its engine's shared memory ({type(exc).__name__}: {exc})", stacklevel=2)
+                self.local, self.views = False, None
+            done = torch.tensor([written is not None], dtype=torch.int64, device=self.device)
+            self._broadcast(done)  # 1: the engine may sample again; 0: the broadcast follows
+            if written is not None:
+                return written
         self._broadcast(torch.tensor(codes, dtype=torch.int8, device=self.device))
         sent = 0
         for group in buckets([(t.numel() * t.element_size(), t.dtype) for _, t in entries]):
@@ -152,7 +164,7 @@ class WeightChannel:
         learner writes every version (`agent_trainer.shared_weights`)."""
         import torch
 
-        entries = unique(tensors)
+        entries = self.segment.entries if self.segment is not None else unique(tensors)  # what it computes with
         header = torch.zeros(3, dtype=torch.int64, device=self.device)
         self._broadcast(header)
         got_version, count, digest = (int(x) for x in header.tolist())
@@ -164,17 +176,27 @@ class WeightChannel:
                     "differ); learner and engine must load the same model (and attach the same adapter)")
         shared = self.local and owner is not None
         if shared and not mine and self.segment is None:
+            segment = None
             try:
-                self.segment = EngineSegment(entries, owner)
-                self.store.set("segment", json.dumps(self.segment.layout))
-            except NoRoom as exc:  # broadcast, now and from now on
+                segment = EngineSegment(entries, owner)
+                self.store.set("segment", json.dumps(segment.layout))
+            except Exception as exc:  # noqa: BLE001 - nothing of the engine's moved: broadcast, now and from now on
+                if segment is not None:
+                    segment.discard()
+                reason = f"no room for {exc}" if isinstance(exc, NoRoom) else f"{type(exc).__name__}: {exc}"
                 warnings.warn(f"agent {self.agent!r}: its rollout engine takes its weights by broadcast, not in "
-                              f"shared memory: no room for {exc}", stacklevel=2)
+                              f"shared memory ({reason})", stacklevel=2)
                 shared = self.local = False
+            else:
+                segment.adopt()
+                self.segment, entries = segment, segment.entries
         if self._agree(mine, _SHARED if shared else _BROADCAST) == _SHARED:
-            self._broadcast(torch.zeros(1, device=self.device))  # the learner has written every tensor
-            self.segment.forget_name()  # both processes map it now
-            return
+            done = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._broadcast(done)  # the learner has written every tensor, or could not
+            self.segment.forget_name()  # both processes map it now, or the learner never will
+            if int(done.item()) == 1:
+                return
+            self.local = False  # the broadcast, into the segment, now and from now on
         codes = torch.zeros(count, dtype=torch.int8, device=self.device)
         self._broadcast(codes)
         dtypes = [_dtypes()[c] for c in codes.tolist()]

@@ -157,9 +157,39 @@ def test_where_shared_memory_has_no_room_the_engine_takes_the_broadcast_and_says
     monkeypatch.setattr(os, "posix_fallocate", full)
     source, target = tiny_model(seed=1), tiny_model(seed=2)
     learner, engine = _pair(local=True)
-    with pytest.warns(UserWarning, match="agent 'alice': its rollout engine takes its weights by broadcast, not in "
-                                         "shared memory: no room for .* bytes of shared memory"):
+    with pytest.warns(UserWarning, match=r"agent 'alice': its rollout engine takes its weights by broadcast, not in "
+                                         r"shared memory \(no room for .* bytes of shared memory"):
         out = _transfer(learner, engine, source.state_dict(), target.state_dict(), 0, 0, target)
     assert out[1] is None and engine.segment is None and not engine.local
     assert all(torch.equal(target.state_dict()[n], t) for n, t in source.state_dict().items())
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"marsi-weights-{os.getpid()}-")]
+
+
+def test_a_learner_that_cannot_write_into_the_shared_memory_broadcasts_into_it_instead(monkeypatch):
+    from agent_trainer import weight_channel
+
+    def unmappable(layout):
+        raise FileNotFoundError(f"no segment {layout['name']}")
+
+    monkeypatch.setattr(weight_channel, "LearnerViews", unmappable)
+    source, target = tiny_model(seed=1), tiny_model(seed=2)
+    learner, engine = _pair(local=True)
+    with pytest.warns(UserWarning, match=r"agent 'alice': its learner sends its weights by broadcast: it cannot write "
+                                         r"into its engine's shared memory \(FileNotFoundError: no segment "):
+        out = _transfer(learner, engine, source.state_dict(), target.state_dict(), 0, 0, target)
+    assert out[1] is None and not learner.local and not engine.local
+    base = torch.frombuffer(engine.segment.memory.buf, dtype=torch.uint8).data_ptr()
+    assert all(0 <= p.data_ptr() - base < engine.segment.memory.size for p in target.parameters())  # adopted
+    assert all(torch.equal(target.state_dict()[n], t) for n, t in source.state_dict().items())
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)
+    out = _transfer(learner, engine, source.state_dict(), target.state_dict(), 1, 1, target)  # broadcast again
+    assert out[1] is None and all(torch.equal(target.state_dict()[n], t) for n, t in source.state_dict().items())
+
+
+def test_a_dtype_the_channel_does_not_carry_is_refused_on_both_sides():
+    learner, engine = _pair()
+    out = _transfer(learner, engine, {"w": torch.ones(2, dtype=torch.complex64)}, {"w": torch.zeros(2)}, 0, 0)
+    assert isinstance(out[0], ChannelRefused) and isinstance(out[1], ChannelRefused)
+    assert "its learner's tensor w is torch.complex64, which the weight channel does not carry" in str(out[0])
