@@ -12,7 +12,7 @@ background during the step before, so its update does not wait.
   next optimizer step, so a state fetched for a checkpoint and released again is not written twice.
 - Released on a GPU: copied to pinned CPU memory and dropped from the GPU (its cached blocks emptied); fetched
   back on a side stream.
-- Fetched: `prefetch()` starts a thread that reads the state back; `resident()` (before every update and every
+- Fetched: `prefetch()` has the background thread read the state back; `resident()` (before every update and every
   checkpoint) waits for it, or reads it now when nothing was prefetched, and puts the tensors back into the
   optimizer. Correctness never depends on the plan: an update or a checkpoint always finds the real state.
 - A scratch file that cannot be written (a full disk, an unwritable temporary directory) keeps the state
@@ -20,13 +20,15 @@ background during the step before, so its update does not wait.
 - A kill while released or fetching loses nothing a checkpoint holds: checkpoints are written from the resident
   state, and the scratch file is only a copy of the live one.
 
-Every change of the optimizer's state (release, install) runs in the caller's thread or in the one background
-thread, strictly one after another; the trainer's own calls (`resident`) first wait for that thread.
+Every change of the optimizer's state (release, install) runs in the caller's thread or in the process's one
+background thread (`_WORKER`, shared by the agents of the process, in the order asked), strictly one after
+another; the trainer's own calls (`resident`) first wait for that thread's jobs of theirs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import sys
 import tempfile
 import threading
@@ -47,6 +49,38 @@ class Stored(NamedTuple):
     dtype: torch.dtype
 
 
+class _Worker:
+    """The one background thread of a process for every optimizer's release and fetch, run in the order asked. The
+    plan asks for the releases of a step before its fetches (`orchestrator.memory_plan`), so agents sharing a
+    process hold one extra state at a time: a fetch starts once the release asked before it has freed its memory."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def submit(self, job) -> threading.Event:
+        """Queue `job` (which raises nothing); the event set once it has run."""
+        done = threading.Event()
+        with self.lock:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="marsi-optimizer-offload", daemon=True)
+                self.thread.start()
+            self.jobs.put((job, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            job, done = self.jobs.get()
+            try:
+                job()
+            finally:
+                done.set()
+
+
+_WORKER = _Worker()
+
+
 class OptimizerOffload:
     """Release and fetch of one optimizer's state, on the device its parameters are on."""
 
@@ -58,7 +92,7 @@ class OptimizerOffload:
         self._file: IO[bytes] | None = None  # CPU: the scratch file, its tensors' bytes one after another
         self._layout: dict[int, dict[str, Any]] = {}  # CPU: the released state, a `Stored` for each tensor
         self._copy_current = False  # the file (or pinned copy) equals the optimizer's state
-        self._thread: threading.Thread | None = None
+        self._pending: threading.Event | None = None  # set when this optimizer's last background job is done
         self._fetched: State | None = None
         self._error: BaseException | None = None
         self.unwritable: str | None = None  # why the scratch file could not be written, once it could not
@@ -72,7 +106,7 @@ class OptimizerOffload:
     def prefetch(self) -> None:
         """Start reading a released state back, so that `resident()` finds it ready."""
         self.wanted = True
-        if self.released or self._thread is not None:
+        if self.released or self._pending is not None:
             self._after_pending(self._read_ahead)
 
     # ----------------------------------------------------------------------------- the trainer's calls
@@ -103,9 +137,9 @@ class OptimizerOffload:
 
     def wait(self) -> None:
         """Wait for a release or a fetch under way; raise what it raised."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
         error, self._error = self._error, None
         if error is not None:
             raise RuntimeError(f"agent {self.label!r}: releasing or fetching its optimizer state failed: "
@@ -122,12 +156,9 @@ class OptimizerOffload:
 
     # ------------------------------------------------------------------------------------- internals
     def _after_pending(self, work) -> None:
-        """Run `work` in a background thread after the one under way, if any."""
-        pending = self._thread
+        """Run `work` in the background, after every job asked before it in this process (`_WORKER`)."""
 
         def run() -> None:
-            if pending is not None:
-                pending.join()
             if self._error is not None:
                 return
             try:
@@ -135,8 +166,7 @@ class OptimizerOffload:
             except BaseException as exc:  # raised by the next `wait`, in the trainer's thread
                 self._error = exc
 
-        self._thread = threading.Thread(target=run, name=f"optimizer-offload-{self.label}", daemon=True)
-        self._thread.start()
+        self._pending = _WORKER.submit(run)
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
