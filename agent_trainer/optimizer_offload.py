@@ -81,6 +81,11 @@ class _Worker:
 _WORKER = _Worker()
 
 
+def wait_all() -> None:
+    """Wait until this process's offload thread has run every job asked so far, whoever asked for it."""
+    _WORKER.submit(lambda: None).wait()
+
+
 class OptimizerOffload:
     """Release and fetch of one optimizer's state, on the device its parameters are on."""
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent_trainer.optimizer_offload import OptimizerOffload
+from agent_trainer.optimizer_offload import OptimizerOffload, wait_all
 from agent_trainer.trainer import AgentTrainer
 from orchestrator.coordinator import Coordinator
 from protocols.config import AgentConfig, AlgorithmConfig, validate_config
@@ -118,6 +118,7 @@ def test_releasing_lowers_the_process_memory():
     optimizer.step()
     parameter.grad = None
     offload = OptimizerOffload(optimizer, device=torch.device("cpu"), label="memory-test")
+    wait_all()  # an earlier test's release or fetch, run by the process's one offload thread, is not measured here
     resident = pss_bytes()
     offload.release()
     offload.wait()
