@@ -15,6 +15,8 @@ B. bfloat16 under autocast over float32 master weights: after one update every p
    are still float32 and moved, the loss is finite, the behaviour gap is printed; the update's time against
    float32's on the same batch.
 C. `dtype: auto` on this GPU (bf16 native from compute capability 8.0) is decided by measuring this model's shapes.
+D. The optimizer state released between updates (`optimizer.offload: auto`, schedule-aware memory): device memory
+   freed while it is in pinned CPU memory (fails below 80% of its size), and fetched back bit for bit.
 With vLLM's GPU build installed (the `vllm-gpu` extra), also:
 
 1. fp32 engine (weights float32, no TF32): after each of two updates (the tied embedding changes), the
@@ -174,6 +176,39 @@ def check_bf16_update(args) -> bool:
     return ok
 
 
+def check_optimizer_release(args) -> bool:
+    """D. The schedule's release of an agent's AdamW state between its updates (`optimizer.offload: auto`): to
+    pinned CPU memory from a GPU (a scratch file on CPU), then fetched back on a side stream."""
+    t = trainer(args.model, "float32", "hf", 8)
+    one_update(t, 0)  # the Adam state exists
+    params = [p for group in t.optimizer.param_groups for p in group["params"]]
+
+    def state() -> dict:
+        return {(i, k): v.detach().clone() for i, p in enumerate(params) for k, v in t.optimizer.state.get(p, {}).items()
+                if torch.is_tensor(v)}
+
+    before = state()
+    size = sum(v.numel() * v.element_size() for v in before.values())
+    synchronize()
+    held = torch.cuda.memory_allocated() if GPU else 0
+    t.hold_optimizer(False)
+    t.offload.wait()
+    synchronize()
+    freed = held - (torch.cuda.memory_allocated() if GPU else 0)
+    t.hold_optimizer(True)
+    t.offload.resident()
+    after = state()
+    same = before.keys() == after.keys() and all(torch.equal(before[k], after[k].to(before[k].device)) for k in before)
+    ok = same and bool(before) and (not GPU or freed > 0.8 * size)
+    print(f"[D: optimizer release] {size / 2**30:.2f} GiB of AdamW state; device memory freed while released "
+          f"{freed / 2**30:.2f} GiB{'' if GPU else ' (CPU: not measured here)'}; fetched back bit for bit: {same}",
+          flush=True)
+    t.close()
+    del t
+    torch.cuda.empty_cache() if GPU else None
+    return ok
+
+
 def check_auto_precision(args) -> bool:
     from agent_trainer.precision import choose
 
@@ -295,6 +330,7 @@ def main() -> None:
         ok = check_hf_engine(args)
         ok &= check_bf16_update(args)
         ok &= check_auto_precision(args)
+        ok &= check_optimizer_release(args)
         if vllm is not None:
             ok &= check_sync(args)
             ok &= check_sleep_and_gap(args)
