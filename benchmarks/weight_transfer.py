@@ -68,13 +68,11 @@ def copy_seconds(tensors: dict[str, torch.Tensor], repeats: int) -> float:
 
 
 def untied(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`tensors` without those equal to an earlier one of the same shape (a tied embedding and output layer arrive
-    from the store as two arrays): the agent's weights, each once."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if not any(t.shape == tensor.shape and torch.equal(t, tensor) for t in out.values()):
-            out[name] = tensor
-    return out
+    """`tensors` without a tied output layer: it arrives from the store as an array of its own, equal to the
+    embedding, where the model holds (and the weight channel sends) one tensor."""
+    embedding = next((t for n, t in tensors.items() if n.endswith("embed_tokens.weight")), None)
+    return {n: t for n, t in tensors.items()
+            if not (n.endswith("lm_head.weight") and embedding is not None and torch.equal(t, embedding))}
 
 
 def measure(model: str, adapter_rank: int | None, transfer: str, repeats: int) -> dict:
