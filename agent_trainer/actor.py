@@ -332,7 +332,6 @@ class RayTrainers(EnginesApart, TrainerPool):
 
     engines: dict[str, Any] = {}  # set per pool in __init__; empty for a pool built without it
     engines_apart: frozenset[str] | set[str] = frozenset()
-    engines_pushed: frozenset[str] | set[str] = frozenset()  # those fed by a weight channel: one version at a time
 
     def __init__(self, config: RunConfig, plan: RunPlan, updates: dict[str, int]):
         """`plan`: `config`'s (`protocols.plan`); `updates`: agent -> the updates it is scheduled for."""
@@ -411,7 +410,6 @@ class RayTrainers(EnginesApart, TrainerPool):
             self.close()
             raise TrainerStartError(errors[0])
         self._open_channels(config, info, {a: _node_address(info[a]["node"]) for a in self.engines})
-        self.engines_pushed = set(self.channels)
         self._publish(list(self.engines))
 
     def _join_workers(self, info: dict[str, dict[str, Any]], start_timeout: float | None,
@@ -549,11 +547,6 @@ class RayTrainers(EnginesApart, TrainerPool):
         for group in self.groups:
             remove_placement_group(group)
         self.groups = []
-
-
-def _name(method: Callable) -> str:
-    """The name under which a served method declares itself, by which a trainer actor finds it (`_TrainerActor.call`)."""
-    return declaration_of(method).name
 
 
 _PEER_GRACE_S = 5.0

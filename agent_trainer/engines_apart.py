@@ -24,11 +24,10 @@ from protocols.errors import describe, one_line
 
 class EnginesApart:
     """The engines-apart part of the Ray pool. The pool sets `workers` (agent -> its actors), `engines` (agent -> its
-    engine's actor) and `call_timeout`, and has `timeout_of` and `close`."""
+    engine's actor), and has `timeout_of` and `close`."""
 
     workers: dict[str, list]
     engines: dict[str, Any]
-    call_timeout: float | None
     timeout_of: Callable
     close: Callable
 
@@ -39,11 +38,16 @@ class EnginesApart:
         self.sync_lock = threading.Lock()
         self.channels: dict[str, str] = {}  # agent -> its weight channel's backend (rollout.weight_transfer: group)
 
+    @property
+    def engines_pushed(self) -> frozenset[str]:
+        """Agents whose engine is fed by a weight channel: it holds one version, its learner's current one."""
+        return frozenset(getattr(self, "channels", ()))
+
     def _open_channels(self, config: RunConfig, info: dict[str, dict[str, Any]], addresses: dict[str, str]) -> None:
         """Form the weight channel (`agent_trainer.weight_channel`) of each agent whose engine is apart with
         `rollout.weight_transfer: group`; where none can be formed, its weights go through the object store. What
         each agent got is under `weight_transfer` in its start info."""
-        timeout_s = self.call_timeout or 7 * 24 * 3600.0  # a transfer: as long as any call
+        timeout_s = self.timeout_of(Agent.send_weights) or 7 * 24 * 3600.0  # a transfer: as long as any call
         rendezvous_s = min(60.0, config.train.start_timeout_s or 60.0)
         for agent, engine in self.engines.items():
             if config.agents[agent].rollout.weight_transfer != "group":
@@ -91,17 +95,13 @@ class EnginesApart:
                 version = ray.get(learner.call.remote(agent, _declared(Agent.version)), timeout=self.timeout_of(Agent.version))
             else:
                 version = versions[agent]
-            if agent in self.channels:  # the learner sends its live weights when the engine needs them
-                with self.sync_lock:
-                    self.published[agent] = {version: None}
-                    if versions is None:
-                        self.engine_version[agent] = None
-                        self.planned.pop(agent, None)
-                continue
-            ref = learner.call.remote(agent, _declared(Agent.published_weights))
+            channel = agent in self.channels  # the learner sends its live weights when the engine needs them
+            ref = None if channel else learner.call.remote(agent, _declared(Agent.published_weights))
             with self.sync_lock:
+                if versions is None or channel:  # a channel's learner holds one version: its current one
+                    self.published[agent] = {}
                 if versions is None:
-                    self.published[agent], self.engine_version[agent] = {}, None
+                    self.engine_version[agent] = None
                     self.planned.pop(agent, None)
                 self.published[agent][version] = ref
 
@@ -148,7 +148,7 @@ class EnginesApart:
         """`agent`'s learner's weights at policy `version` into its engine over their channel, both sides at once.
         A side that dies or hangs is a recoverable failure; a refused transfer (a version the learner does not
         hold, tensors that differ) is not."""
-        timeout, backend = self.timeout_of(Agent.take_weights), self.channels[agent]
+        timeout, backend = self.timeout_of(Agent.send_weights), self.channels[agent]
         self.engine_version[agent] = None  # until every tensor is in
         refs = {self.workers[agent][0].send_weights.remote(agent, version): "learner",
                 self.engines[agent].receive_weights.remote(agent, version): "rollout engine"}
@@ -171,8 +171,7 @@ class EnginesApart:
                                  f"({one_line(exc)[:200]})", True)
         refused = [e for e in failed.values() if isinstance(e, ChannelRefused)]
         if refused:  # the side that says why first
-            raise TrainerFailure(agent, "generate", min(refused, key=lambda e: "refused the" in e.reason).reason,
-                                 False)
+            raise TrainerFailure(agent, "generate", min(refused, key=lambda e: e.by_peer).reason, False)
         if failed:  # a collective broken by the other side's death, not yet reported
             side, exc = next(iter(failed.items()))
             raise TrainerFailure(agent, "generate", f"{what} to its rollout engine failed on its {side}: "

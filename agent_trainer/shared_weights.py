@@ -14,6 +14,7 @@ killed after that leaves nothing behind, and one killed before it is cleaned up 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from multiprocessing import shared_memory
 from typing import TYPE_CHECKING, Any
@@ -109,10 +110,8 @@ class LearnerViews:
         self.views = []
         for name, dtype, shape, offset in layout["tensors"]:
             dtype = getattr(torch, dtype)
-            numel = 1
-            for size in shape:
-                numel *= size
-            self.views.append((name, base[offset:offset + numel * dtype.itemsize].view(dtype).view(shape)))
+            nbytes = math.prod(shape) * dtype.itemsize
+            self.views.append((name, base[offset:offset + nbytes].view(dtype).view(shape)))
 
     def write(self, entries: list[tuple[str, torch.Tensor]]) -> int:
         """Copy `entries` (the learner's tensors, in the engine's order) into the segment; the bytes written."""

@@ -412,8 +412,14 @@ class AgentTrainer:
         """Receive the weights of policy `version` over `channel` (`weight_channel.WeightChannel`) into the ones it
         samples with (`published_weights`: the full model's, or an adapter agent's adapter), in place. Until they
         are all in, the trainer holds no policy version: a transfer cut short leaves nothing a generate accepts."""
-        self.policy_version = -1
-        channel.receive(self.published_weights(), version, owner=self.model)
+        from agent_trainer.weight_channel import ChannelRefused
+
+        held, self.policy_version = self.policy_version, -1
+        try:
+            channel.receive(self.published_weights(), version, owner=self.model)
+        except ChannelRefused:  # refused before anything moved: the weights are those of the version it held
+            self.policy_version = held
+            raise
         self.engine.sync(self.model)
         self.policy_version = version
 

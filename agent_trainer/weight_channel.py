@@ -22,6 +22,7 @@ The group is private to the two processes (its own store, not the default group 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import warnings
@@ -34,11 +35,13 @@ if TYPE_CHECKING:  # torch loads in the trainers only
     import torch.distributed as dist
 
 _BUCKET_BYTES = 16 << 20
-LEARNER, ENGINE = 0, 1
+LEARNER = 0  # the rank that sends; the engine is rank 1
 _BROADCAST, _SHARED = 1, 2  # how the bytes go: broadcast over the group, or written into the engine's shared memory
 
 
+@functools.cache
 def _dtypes() -> list:
+    """The dtypes the channel carries, by their code in a transfer's header."""
     import torch
 
     return [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
@@ -67,29 +70,28 @@ def buckets(sizes: list[tuple[int, object]], bucket_bytes: int = _BUCKET_BYTES) 
     """Indices of the entries sent together, in order, from each entry's (bytes, dtype): an entry of at least
     `bucket_bytes` alone; smaller consecutive ones of one dtype together up to `bucket_bytes`."""
     out: list[list[int]] = []
-    total = 0
+    total, joinable = 0, None  # the dtype the last bucket still takes more of, if any
     for i, (nbytes, dtype) in enumerate(sizes):
-        alone = nbytes >= bucket_bytes
-        joins = (out and not alone and len(out[-1]) and sizes[out[-1][-1]][1] == dtype
-                 and sizes[out[-1][-1]][0] < bucket_bytes and total + nbytes <= bucket_bytes)
-        if joins:
+        if nbytes < bucket_bytes and dtype == joinable and total + nbytes <= bucket_bytes:
             out[-1].append(i)
             total += nbytes
         else:
             out.append([i])
             total = nbytes
+        joinable = dtype if nbytes < bucket_bytes else None
     return out
 
 
 class ChannelRefused(RuntimeError):
     """A transfer that one side refused at its header; nothing was sent, the engine's weights are unchanged."""
 
-    def __init__(self, agent: str, reason: str):
+    def __init__(self, agent: str, reason: str, by_peer: bool = False):
+        """`by_peer`: this side accepted; the other refused (its own error says why)."""
         super().__init__(f"agent {agent!r}: {reason}")
-        self.agent, self.reason = agent, reason
+        self.agent, self.reason, self.by_peer = agent, reason, by_peer
 
     def __reduce__(self):  # raised in a trainer process, read in the coordinator's
-        return type(self), (self.agent, self.reason)
+        return type(self), (self.agent, self.reason, self.by_peer)
 
 
 class WeightChannel:
@@ -152,9 +154,9 @@ class WeightChannel:
         self._broadcast(torch.tensor(codes, dtype=torch.int8, device=self.device))
         sent = 0
         for group in buckets([(t.numel() * t.element_size(), t.dtype) for _, t in entries]):
-            parts = [entries[i][1].detach() for i in group]
+            parts = [entries[i][1] for i in group]
             flat = parts[0].contiguous() if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
-            self._broadcast(flat.to(self.device))
+            self._broadcast(flat)
             sent += flat.numel() * flat.element_size()
         return sent
 
@@ -216,12 +218,6 @@ class WeightChannel:
                     target.copy_(flat[offset:offset + target.numel()].view(target.shape))
                     offset += target.numel()
 
-    def close(self) -> None:
-        shutdown = getattr(self.group, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
-        self.group = None
-
     # ---------------------------------------------------------------------------------------------- plumbing
     def _broadcast(self, tensor: torch.Tensor) -> None:
         self.group.broadcast(tensor, LEARNER).wait()
@@ -241,5 +237,5 @@ class WeightChannel:
         if int(verdict.item()) == 0:
             side = "engine" if self.rank == LEARNER else "learner"
             raise ChannelRefused(self.agent, f"weights not sent to its rollout engine: its {side} refused the "
-                                 "transfer (its error says why)")
+                                 "transfer (its error says why)", by_peer=True)
         return int(verdict.item())
