@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -61,6 +64,19 @@ def _both(fn, first: tuple, second: tuple) -> dict:
 def _transfer(learner, engine, sent: dict, received: dict, version: int, holds: int, owner=None) -> dict:
     return _both(lambda side, *args: side.send(*args) if side is learner else side.receive(*args),
                  (learner, sent, version, holds), (engine, received, version, owner))
+
+
+def _same(target, source) -> bool:
+    return all(torch.equal(target.state_dict()[n], t) for n, t in source.state_dict().items())
+
+
+def _local_transfer_warning(match: str):
+    """Version 0 of a tiny model over a channel on one node, which warns `match`."""
+    source, target = tiny_model(seed=1), tiny_model(seed=2)
+    learner, engine = _pair(local=True)
+    with pytest.warns(UserWarning, match=match):
+        out = _transfer(learner, engine, source.state_dict(), target.state_dict(), 0, 0, target)
+    return learner, engine, source, target, out
 
 
 def test_a_model_arrives_bit_for_bit_in_place_with_a_tied_embedding_sent_once():
@@ -149,19 +165,16 @@ def test_without_the_module_the_engine_takes_the_broadcast_even_on_one_node():
 
 def test_where_shared_memory_has_no_room_the_engine_takes_the_broadcast_and_says_so(monkeypatch):
     import errno
-    import os
 
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    source, target = tiny_model(seed=1), tiny_model(seed=2)
-    learner, engine = _pair(local=True)
-    with pytest.warns(UserWarning, match=r"agent 'alice': its rollout engine takes its weights by broadcast, not in "
-                                         r"shared memory \(no room for .* bytes of shared memory"):
-        out = _transfer(learner, engine, source.state_dict(), target.state_dict(), 0, 0, target)
+    learner, engine, source, target, out = _local_transfer_warning(
+        r"agent 'alice': its rollout engine takes its weights by broadcast, not in shared memory \(no room for .* "
+        r"bytes of shared memory")
     assert out[1] is None and engine.segment is None and not engine.local
-    assert all(torch.equal(target.state_dict()[n], t) for n, t in source.state_dict().items())
+    assert _same(target, source)
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"marsi-weights-{os.getpid()}-")]
 
 
@@ -172,20 +185,32 @@ def test_a_learner_that_cannot_write_into_the_shared_memory_broadcasts_into_it_i
         raise FileNotFoundError(f"no segment {layout['name']}")
 
     monkeypatch.setattr(weight_channel, "LearnerViews", unmappable)
-    source, target = tiny_model(seed=1), tiny_model(seed=2)
-    learner, engine = _pair(local=True)
-    with pytest.warns(UserWarning, match=r"agent 'alice': its learner sends its weights by broadcast: it cannot write "
-                                         r"into its engine's shared memory \(FileNotFoundError: no segment "):
-        out = _transfer(learner, engine, source.state_dict(), target.state_dict(), 0, 0, target)
+    learner, engine, source, target, out = _local_transfer_warning(
+        r"agent 'alice': its learner sends its weights by broadcast: it cannot write into its engine's shared memory "
+        r"\(FileNotFoundError: no segment ")
     assert out[1] is None and not learner.local and not engine.local
     base = torch.frombuffer(engine.segment.memory.buf, dtype=torch.uint8).data_ptr()
     assert all(0 <= p.data_ptr() - base < engine.segment.memory.size for p in target.parameters())  # adopted
-    assert all(torch.equal(target.state_dict()[n], t) for n, t in source.state_dict().items())
+    assert _same(target, source)
     with torch.no_grad():
         for p in source.parameters():
             p.add_(1.0)
     out = _transfer(learner, engine, source.state_dict(), target.state_dict(), 1, 1, target)  # broadcast again
-    assert out[1] is None and all(torch.equal(target.state_dict()[n], t) for n, t in source.state_dict().items())
+    assert out[1] is None and _same(target, source)
+
+
+def test_an_engine_that_cannot_publish_its_layout_frees_the_segment_and_takes_the_broadcast(monkeypatch):
+    from agent_trainer import weight_channel
+
+    def unwritable(layout):
+        raise OSError("the store went away")
+
+    monkeypatch.setattr(weight_channel, "json", types.SimpleNamespace(dumps=unwritable, loads=json.loads))
+    learner, engine, source, target, out = _local_transfer_warning(
+        r"agent 'alice': its rollout engine takes its weights by broadcast, not in shared memory \(OSError: the "
+        r"store went away\)")
+    assert out[1] is None and engine.segment is None and _same(target, source)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"marsi-weights-{os.getpid()}-")]
 
 
 def test_a_dtype_the_channel_does_not_carry_is_refused_on_both_sides():
