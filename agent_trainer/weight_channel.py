@@ -14,7 +14,7 @@ seen by both (an all-reduce of the verdicts), so neither waits for a transfer th
 On one node, with a CPU engine, the bytes do not go over the group's socket: the engine's weights become shared
 memory at the first transfer and the learner writes each version there (`agent_trainer.shared_weights`), the group
 carrying the header and the word that the learner is done. Over gloo's TCP transport a SmolLM2 version took 18x
-the time of one in-memory copy of its weights; written into shared memory, about one copy (benchmarks/RESULTS.md).
+the time of one in-memory copy of its weights; written into shared memory, 0.9-1.4x (benchmarks/RESULTS.md).
 
 The group is private to the two processes (its own store, not the default group a data-parallel learner is in);
 `agent_trainer.actor` forms it at start, or falls back to Ray's object store (`weight_wire`) where it cannot."""
