@@ -48,6 +48,19 @@ class SharedBase:
         self.tokenizer = None
         self.source: tuple[str, str | None, str] | None = None  # (model, tokenizer, dtype) every agent must name
         self.rng_states: dict[str, dict[str, Any]] = {}
+        self.active: str | None = None  # the adapter the last `AdapterTrainer.selected` made active
+        self._parts: dict[str, tuple[dict[str, torch.nn.Parameter], list[torch.nn.Module]]] = {}
+
+    def parts(self, agent: str) -> tuple[dict[str, torch.nn.Parameter], list[torch.nn.Module]]:
+        """Agent `agent`'s adapter parameters and its dropout modules, found once (a walk of the whole model
+        each time cost ~10 ms, paid by every call of the agent and twice by every weight transfer); an `attach`
+        forgets them."""
+        if agent not in self._parts:
+            name = adapter_name(agent)
+            dropouts = [m.lora_dropout[name] for m in self.model.modules()
+                        if isinstance(getattr(m, "lora_dropout", None), torch.nn.ModuleDict) and name in m.lora_dropout]
+            self._parts[agent] = own_parameters(self.model, agent), dropouts
+        return self._parts[agent]
 
     def attach(self, name: str, agent: AgentConfig, *, device: torch.device, trainable: bool):
         """Add agent `name`'s adapter (fresh, or loaded from `adapter.path`); the shared peft model and tokenizer.
@@ -74,6 +87,7 @@ class SharedBase:
         self.model.to(device)
         for p in self.model.parameters():  # each call makes its agent's adapter trainable (`selected`)
             p.requires_grad_(False)
+        self.active, self._parts = None, {}  # peft may have switched adapters, and the model has new parameters
         self.rng_states[name] = rng.capture()  # the agent's own stream starts where its construction left it
         return self.model, self.tokenizer
 
@@ -124,14 +138,15 @@ class AdapterTrainer(AgentTrainer):
     def selected(self, *, updating: bool = False) -> Iterator[None]:
         """Run one call of this agent: its adapter active (the others out of the forward pass and without
         gradients), its RNG state in the process, its adapter's dropout on during an update (`updating`)."""
-        model, name = self.model, adapter_name(self.name)
-        model.set_adapter(name)
-        for p in own_parameters(model, self.name).values():
+        shared, name = self.shared, adapter_name(self.name)
+        own, dropouts = shared.parts(self.name)
+        if shared.active != name:  # peft's switch walks every module: only when another agent's adapter is active
+            self.model.set_adapter(name)
+            shared.active = name
+        for p in own.values():
             p.requires_grad_(self.trainable)
-        states = self.shared.rng_states
+        states = shared.rng_states
         rng.restore(states[name])
-        dropouts = [m.lora_dropout[name] for m in model.modules()
-                    if isinstance(getattr(m, "lora_dropout", None), torch.nn.ModuleDict) and name in m.lora_dropout]
         if updating:
             for d in dropouts:
                 d.train()
@@ -145,11 +160,11 @@ class AdapterTrainer(AgentTrainer):
     def published_weights(self) -> dict[str, torch.Tensor]:
         """Its adapter's weights, for its rollout engine of its own, which holds the same base: the live tensors, as
         `AgentTrainer.published_weights`."""
-        return {n: p.detach() for n, p in own_parameters(self.model, self.name).items()}
+        return {n: p.detach() for n, p in self.shared.parts(self.name)[0].items()}
 
     def take_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """An engine process: sample with this adapter, the learner's at policy `version`, on the base it holds."""
-        own = own_parameters(self.model, self.name)
+        own = self.shared.parts(self.name)[0]
         if set(weights) != set(own):
             raise ValueError(f"agent {self.name!r}: the published adapter has {len(weights)} tensors, the engine's "
                              f"{len(own)}; learner and engine must attach the same adapter")
