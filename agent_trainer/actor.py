@@ -304,14 +304,21 @@ def nodes_note(spread: int | None) -> str:
     return note
 
 
-def engine_config(config: RunConfig, agent: str, resources) -> RunConfig:
-    """The config an agent's rollout engine of its own starts from: the agent frozen (its weights come from its
-    learner), one process with the engine's `resources` (`RunPlan.engine_resources`), sampling in that process."""
-    spec = config.agents[agent]
-    rollout = spec.rollout.model_copy(update={"placement": "colocated", "resources": None})
-    engine = spec.model_copy(update={"resources": resources, "rollout": rollout})
-    schedule = config.schedule.model_copy(update={"frozen": [*config.schedule.frozen, agent]})
-    return config.model_copy(update={"agents": {**config.agents, agent: engine}, "schedule": schedule})
+def engine_config(config: RunConfig, host: str, agents: list[str], resources) -> RunConfig:
+    """The config the rollout engine of host `host` (its `agents`, `RunPlan.engine_layout`) starts from: the agents
+    frozen (their weights come from their learner), sampling in one process with the engine's `resources`
+    (`RunPlan.engine_resources`): on a shared host, one base and each agent's adapter."""
+    specs = {}
+    for agent in agents:
+        spec = config.agents[agent]
+        rollout = spec.rollout.model_copy(update={"placement": "colocated", "resources": None})
+        specs[agent] = spec.model_copy(update={"rollout": rollout} if spec.host else
+                                       {"rollout": rollout, "resources": resources})
+    hosts = config.hosts
+    if host in hosts:
+        hosts = {**hosts, host: hosts[host].model_copy(update={"resources": resources})}
+    schedule = config.schedule.model_copy(update={"frozen": [*config.schedule.frozen, *agents]})
+    return config.model_copy(update={"agents": {**config.agents, **specs}, "hosts": hosts, "schedule": schedule})
 
 
 def node_label(node_id: str) -> str:
@@ -382,14 +389,15 @@ class RayTrainers(EnginesApart, TrainerPool):
                     ).remote(host, config, plan, updates, num_threads(r.num_cpus), forwarded))
                     bundle += 1
                 self.workers.update(dict.fromkeys(layout[host], workers))
-        self.engines = {}  # agent -> its rollout engine's actor (rollout.placement: separate)
-        for bundle, (agent, r) in enumerate(apart.items()):
-            engine = engine_config(config, agent, r)  # another config than the pool's: a plan of its own
-            self.engines[agent] = actor_cls.options(
+        self.engines = {}  # agent -> its rollout engine's actor (rollout.placement: separate), one per host
+        for bundle, (host, r) in enumerate(apart.items()):
+            agents = plan.engine_layout[host]
+            engine = engine_config(config, host, agents, r)  # another config than the pool's: a plan of its own
+            self.engines.update(dict.fromkeys(agents, actor_cls.options(
                 num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.groups[-1],
                                                                      placement_group_bundle_index=bundle),
-            ).remote(agent, engine, plan_of(engine), updates, num_threads(r.num_cpus), forwarded)
+            ).remote(host, engine, plan_of(engine), updates, num_threads(r.num_cpus), forwarded)))
         self.engines_apart = set(self.engines)
         self._start_engines_apart()
         self.housemates = {agent: agents for agents in layout.values() for agent in agents}
@@ -532,13 +540,16 @@ class RayTrainers(EnginesApart, TrainerPool):
             per_worker = [w if "" not in w else dict.fromkeys(self.layout[host], w[""]) for w in per_worker]
             for agent in self.layout[host]:
                 out[agent] = {**per_worker[0][agent], "workers": [w[agent] for w in per_worker]}
-        engines = ray.get([self.engines[a].info.remote() for a in self.engines], timeout=timeout)
-        for agent, answer in zip(self.engines, engines):
+        actors = {id(a): a for a in self.engines.values()}  # one per host
+        answers = dict(zip(actors, ray.get([a.info.remote() for a in actors.values()], timeout=timeout)))
+        for agent, actor in self.engines.items():
+            answer = answers[id(actor)]
             out[agent]["rollout_engine"] = answer.get(agent, answer.get(""))
         return out
 
     def close(self) -> None:
-        for actor in [*{id(a): a for group in self.workers.values() for a in group}.values(), *self.engines.values()]:
+        every = [a for group in self.workers.values() for a in group] + list(self.engines.values())
+        for actor in {id(a): a for a in every}.values():  # a host's agents share their actors
             ray.kill(actor)
         self.workers.clear()
         self._remove_groups()

@@ -3,11 +3,13 @@ simultaneous and alternate schedules (2 agents, 2 turns, 4 x 4 episodes, 16 new 
 a core), with the step's generate, update and overlapped seconds.
 
     python benchmarks/async_tiny.py [--model builtin:tiny] [--engine hf|vllm] [--tokens 16] [--steps 14]
-                                    [--cases simultaneous:colocated:0,...] [--dtype float32]
+                                    [--cases simultaneous:colocated:0,...] [--dtype float32] [--adapters RANK]
 
 `--cases`: the runs, each SCHEDULE:PLACEMENT:K (default: both schedules, each placement, K 0 and 1). The last line
 compares the last case with the first: `separate / colocated s/step: R` when they are `alternate:separate:1` and
-`alternate:colocated:0`, the target setting of separate engines (`--engine vllm`, SmolLM2).
+`alternate:colocated:0`, the target setting of separate engines (`--engine vllm`, SmolLM2). `--adapters RANK`: the
+two agents are adapter agents of one shared host instead, its engine colocated (the host's process, 2 cores) or one
+engine apart serving both adapters (host and engine 1 core each).
 
 Seconds per step: from the steps' `time/end`, steps 4 to 12 of 14 (the pipeline filled, not yet draining).
 The task is the tests' letter environment (tests/envs.py): only the timing matters here.
@@ -32,12 +34,20 @@ from tests.envs import config  # noqa: E402
 def run(placement: str, k: int, kind: str, args) -> tuple[float, str]:
     raw = config(turns=2, ray=True, train={"steps": args.steps, "max_staleness": k, "batch_size": 4,
                                             "num_generations": 4}, schedule={"kind": kind})
+    share = 1.0 if args.adapters else 0.5  # of the 2 cores: a host and its engine apart, or two agents' hosts
+    if args.adapters:  # one host: 2 cores colocated, 1 core beside its engine apart's 1
+        raw["hosts"] = {"h": {"resources": {"num_cpus": share if placement == "separate" else 2.0}}}
     for spec in raw["agents"].values():
         spec.update(model=args.model, dtype=args.dtype)
         spec["generation"] = {"max_completion_length": args.tokens}
-        spec["resources"] = {"num_cpus": 0.5}
+        if args.adapters:
+            del spec["resources"]
+            spec.update(host="h", adapter={"rank": args.adapters, "alpha": 2 * args.adapters,
+                                           "target_modules": "all-linear"})
+        else:
+            spec["resources"] = {"num_cpus": share}
         spec["rollout"] = {"placement": placement, "engine": args.engine,
-                           **({"resources": {"num_cpus": 0.5}} if placement == "separate" else {})}
+                           **({"resources": {"num_cpus": share}} if placement == "separate" else {})}
     with Coordinator(validate_config(raw), None) as coord:
         history = coord.run()
     ends = [m["time/end"] for m in history]
@@ -62,6 +72,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--steps", type=int, default=14, help="at least 8: steps 4 .. N-2 are timed")
     parser.add_argument("--cases", default=CASES)
+    parser.add_argument("--adapters", type=int, default=0, metavar="RANK",
+                        help="the two agents as LoRA adapters of this rank on one shared host (2 cores colocated; "
+                             "1 core beside one engine apart of 1 core that serves both adapters)")
     args = parser.parse_args()
     if args.steps < 8:
         parser.error(f"--steps {args.steps}: at least 8 (steps 4 .. N-2 are timed)")
@@ -72,7 +85,8 @@ def main() -> None:
     cases = [(kind, placement, int(k)) for kind, placement, k in cases]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{args.model}, engine {args.engine}, {args.dtype}, {args.tokens} new tokens, {args.steps} steps")
+    agents = f"two adapter agents (rank {args.adapters}) on one host" if args.adapters else "two agents"
+    print(f"{args.model}, {agents}, engine {args.engine}, {args.dtype}, {args.tokens} new tokens, {args.steps} steps")
     seconds = []
     for kind, placement, k in cases:
         took, line = run(placement, k, kind, args)

@@ -294,6 +294,10 @@ def cmd_validate(args) -> int:
         shared = f", one copy of {config.agents[plain[0]].model}" if len(plain) > 1 else ""
         workers = f" per worker x {r.num_workers} workers" if r.num_workers > 1 else ""
         print(f"host {host}: {', '.join(agents)}; {r.num_cpus:g} CPUs, {r.num_gpus:g} GPUs{workers}{shared}")
+    for host, names in coordinator.plan.engine_layout.items():  # rollout.placement: separate
+        r = coordinator.plan.engine_resources[host]
+        shared = f", one copy of {config.agents[names[0]].model} and {len(names)} adapters" if len(names) > 1 else ""
+        print(f"rollout engine apart, host {host}: {', '.join(names)}; {r.num_cpus:g} CPUs, {r.num_gpus:g} GPUs{shared}")
     _print_precision(config, joins)
     if not schedule.trainable:
         print("no agent trains (all are in schedule.frozen): the run plays episodes and logs their rewards only")

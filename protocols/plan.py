@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from protocols.config import (
-    CriticConfig, ResourcesConfig, RunConfig, critic_host_agent, critic_members, critic_settings, engine_cache_sizes,
+    CriticConfig, ResourcesConfig, RunConfig, agent_resources, critic_host_agent, critic_members, critic_settings, engine_cache_sizes,
     host_layout, host_resources, member_layout,
 )
 
@@ -37,14 +37,20 @@ class RunPlan:
     engine_cache_sizes: dict[str, int]
     """Agent -> the whole sequences its vLLM engine's CPU KV cache holds, for each agent sampling with vLLM
     without `kv_cache_gb` (`protocols.config.engine_cache_sizes`)."""
+    engine_layout: dict[str, list[str]]
+    """Host name -> its agents, for each host whose agents' rollout engine is a process of its own
+    (`rollout.placement: separate`): one engine process per host, which on a shared host holds the one base and
+    every agent's adapter."""
     engine_resources: dict[str, ResourcesConfig]
-    """Agent -> what its rollout engine of its own (`rollout.placement: separate`) asks of the cluster: one process,
-    with `rollout.resources`, else the agent's per-worker resources."""
+    """Host name (of `engine_layout`) -> what its engine process asks of the cluster: `rollout.resources`, else the
+    host's per-worker resources, in one process."""
 
 
 def plan_of(config: RunConfig) -> RunPlan:
     """The plan of a validated run config."""
     critics = critic_members(config)
+    apart = {host: agents for host, agents in host_layout(config).items()  # its agents place their engine alike
+             if config.agents[agents[0]].rollout.placement == "separate"}
     return RunPlan(
         host_layout=host_layout(config),
         critic=critic_settings(config),
@@ -55,8 +61,9 @@ def plan_of(config: RunConfig) -> RunPlan:
         staleness_bounds={a: spec.rollout.max_staleness if spec.rollout.max_staleness is not None
                           else config.train.max_staleness for a, spec in config.agents.items()},
         engine_cache_sizes=engine_cache_sizes(config),
-        engine_resources={a: (spec.rollout.resources or spec.resources).model_copy(update={"num_workers": 1})
-                          for a, spec in config.agents.items() if spec.rollout.placement == "separate"},
+        engine_layout=apart,
+        engine_resources={host: (config.agents[agents[0]].rollout.resources or agent_resources(config, agents[0]))
+                          .model_copy(update={"num_workers": 1}) for host, agents in apart.items()},
     )
 
 

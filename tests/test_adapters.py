@@ -189,6 +189,8 @@ def _edit(change):
 @pytest.mark.parametrize("case, change", [
     ("adapter_missing_on_host", lambda r: r["agents"]["b"].pop("adapter")),
     ("host_base_differs", lambda r: r["agents"]["c"].update(dtype="bfloat16")),
+    ("host_engine_differs", lambda r: (r["ray"].update(enabled=True),
+                                       r["agents"]["b"].update(rollout={"placement": "separate"}))),
     ("host_undefined", lambda r: r["agents"]["a"].update(host="nowhere")),
     ("hosted_agent_resources", lambda r: r["agents"]["a"].update(resources={"num_cpus": 2})),
     ("host_unused", lambda r: r["hosts"].update(spare={})),
@@ -264,3 +266,60 @@ def test_an_adapter_agents_engine_of_its_own_takes_only_the_adapter_and_samples_
                 assert engine.base == coord.pool.ask(Agent.weight_digests, ["a"])["a"].base  # its own copy
     assert [computed(r) for r in runs["separate"]] == [computed(r) for r in runs["colocated"]]
     assert runs["separate"][-1]["staleness/a/max"] == 1
+
+
+def _shared_host(placement: str) -> dict:
+    """The three adapter agents of host h, rollouts one step ahead; their engine in their host's process
+    (in-process), or one engine apart for the three (Ray)."""
+    raw = shared_host_config(train={"steps": 3, "max_staleness": 1})
+    if placement == "separate":
+        raw["ray"]["enabled"] = True
+        for name in AGENTS:
+            raw["agents"][name]["rollout"] = {"placement": "separate", "resources": {"num_cpus": 0.5}}
+    return raw
+
+
+@pytest.mark.fast
+def test_a_shared_hosts_agents_have_one_engine_apart_on_its_rollout_resources():
+    plan = plan_of(validate_config(_shared_host("separate")))
+    assert plan.engine_layout == {"h": list(AGENTS)}
+    assert plan.engine_resources["h"].num_cpus == 0.5 and plan.host_resources["h"].num_cpus == 0.5
+
+
+def test_validate_prints_the_shared_hosts_engine_apart(tmp_path, capsys):
+    from orchestrator.cli import main
+    from tests.runs import write
+
+    assert main(["validate", str(write(tmp_path, _shared_host("separate"))), "--steps", "1"]) == 0
+    assert ("rollout engine apart, host h: a, b, c; 0.5 CPUs, 0 GPUs, one copy of builtin:tiny and 3 adapters"
+            in capsys.readouterr().out)
+
+
+def test_one_engine_apart_serves_every_adapter_of_a_shared_host_and_samples_as_the_host_itself(ray_cluster,
+                                                                                                tmp_path):
+    """Multi-LoRA: one engine process holds the base once and each agent's adapter, takes each adapter from its
+    learner over a weight channel of its own, and samples as the agents' own host does; killed mid-run, it
+    restarts with the host and the run ends as if uninterrupted."""
+    runs = {}
+    for placement in ("colocated", "separate"):
+        with Coordinator(validate_config(_shared_host(placement)), tmp_path / placement) as coord:
+            runs[placement] = coord.run()
+            if placement == "separate":
+                pool, info = coord.pool, coord.pool.info()
+                assert len({info[a]["rollout_engine"]["pid"] for a in AGENTS}) == 1  # one engine for the three
+                assert info["a"]["rollout_engine"]["pid"] != info["a"]["pid"]
+                assert all(pool.start_info[a]["weight_transfer"] == "a gloo group with its learner, into shared "
+                           "memory on their node" for a in AGENTS)
+                learned = digests(coord)
+                for agent in AGENTS:
+                    pool.push_weights(agent)
+                    engine = ray.get(pool.engines[agent].call.remote(agent, "weight_digests")).model_dump()
+                    assert engine == learned[agent]  # the one base, and this agent's adapter as its learner has it
+                assert learned["a"]["adapter"] != learned["b"]["adapter"] != learned["c"]["adapter"]
+    assert [computed(r) for r in runs["separate"]] == [computed(r) for r in runs["colocated"]]
+    assert max(row.get(f"staleness/{a}/max", 0) for row in runs["separate"] for a in AGENTS) == 1  # one step ahead
+
+    with Coordinator(validate_config(_shared_host("separate")), tmp_path / "killed") as coord:
+        run_killing(coord, coord.pool.start_info["b"]["rollout_engine"]["pid"], at_step=2)
+        assert coord.restarts == 1
+    assert without_times(rows(tmp_path / "killed")) == without_times(rows(tmp_path / "separate"))

@@ -65,9 +65,9 @@ class RolloutConfig(_Strict):
     """Where the engine samples: `colocated`, in the agent's trainer process (the learner's weights, or beside them);
     `separate`, in a Ray actor of its own with its own copy of the weights (`resources`), which takes each policy
     version of the learner's when a generate asks for it (`weight_transfer`), so that with
-    `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray, on an
-    agent on a host of its own; either engine (`hf`, `vllm`). An adapter agent's engine holds the base and takes
-    only the adapter's weights. A data-parallel agent's engine is one process, fed by worker 0, that samples
+    `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray; either
+    engine (`hf`, `vllm`). An adapter agent's engine holds the base and takes only the adapter's weights; the
+    agents of a shared host place their engine alike and get one engine apart for all their adapters. A data-parallel agent's engine is one process, fed by worker 0, that samples
     every worker's rows; its learner workers hold no engine of their own (and so a `vllm` agent may have
     several workers)."""
     resources: ResourcesConfig | None = None
@@ -119,9 +119,6 @@ def separate_engine_problem(name: str, agent: AgentConfig, ray_enabled: bool) ->
     key = f"agents.{name}.rollout.placement: separate"
     if not ray_enabled:
         return f"{key} runs the engine in a process of its own, which needs Ray, but ray.enabled is false; set ray.enabled: true or placement: colocated"
-    if agent.host is not None:
-        return (f"{key} is built for an agent on a host of its own (its engine holds one agent's weights); remove "
-                f"agents.{name}.host, or set placement: colocated")
     if rollout.resources is not None and rollout.resources.num_workers > 1:
         return (f"agents.{name}.rollout.resources.num_workers: {rollout.resources.num_workers}, but an engine of its "
                 f"own is one process (it samples every worker's rows); set agents.{name}.rollout.resources.num_workers: 1")
@@ -132,6 +129,8 @@ def rollout_problem(name: str, agent: AgentConfig, config: RunConfig) -> str | N
     """Why agent `name`'s rollout does not fit the run (an engine apart it cannot have, a staleness bound above the
     run's), naming the keys and the fix, or None."""
     if problem := separate_engine_problem(name, agent, config.ray.enabled):
+        return problem
+    if problem := host_engine_problem(name, agent, config):
         return problem
     own = agent.rollout.max_staleness
     if own is not None and own > config.train.max_staleness:
@@ -164,3 +163,28 @@ def engine_cache_sizes(config: RunConfig) -> dict[str, int]:
         rows = config.train.batch_size * config.train.num_generations * max(1, seats)
         sizes[name] = settings.kv_cache_sequences or min(rows, settings.max_num_seqs)
     return sizes
+
+
+_ONE_ENGINE = ("placement", "resources", "weight_transfer")
+"""What the agents of one host must agree on about their rollout: apart, they share one engine process."""
+
+
+def host_engine_problem(name: str, agent: AgentConfig, config: RunConfig) -> str | None:
+    """Why agent `name`, on a shared host, cannot sample as its housemates do, naming the key and the fix, or None:
+    the agents of a host sample in one process, their trainer's or one engine apart (one base, each agent's
+    adapter), so they place it alike."""
+    if agent.host is None:
+        return None
+    first = next(n for n, a in config.agents.items() if a.host == agent.host)
+    for key in _ONE_ENGINE if first != name else ():
+        mine, theirs = getattr(agent.rollout, key), getattr(config.agents[first].rollout, key)
+        if mine != theirs:
+            return (f"agents.{name}.rollout.{key}: {_shown(mine)!r} differs from agents.{first}.rollout.{key} "
+                    f"{_shown(theirs)!r}, and both live on host {agent.host!r}, whose agents sample in one process "
+                    f"(one engine apart serves all their adapters); make them equal")
+    return None
+
+
+def _shown(value):
+    """A setting as a config writes it."""
+    return value.model_dump(exclude_defaults=True) if hasattr(value, "model_dump") else value
