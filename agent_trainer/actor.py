@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import ray
@@ -321,6 +322,13 @@ def engine_config(config: RunConfig, host: str, agents: list[str], resources) ->
     return config.model_copy(update={"agents": {**config.agents, **specs}, "hosts": hosts, "schedule": schedule})
 
 
+def engine_plan(engine: RunConfig) -> RunPlan:
+    """The plan of an engine's config (`engine_config`): its hosts hold the agents only, for an engine samples and
+    never values (a critic placed with an agent stays in the agent's learner process)."""
+    plan = plan_of(engine)
+    return replace(plan, member_layout=plan.host_layout)
+
+
 def node_label(node_id: str) -> str:
     """`node NAME (IP, id 0123abcd...)`: how messages name a Ray node (its name is its IP unless set with
     `ray start --node-name`)."""
@@ -397,7 +405,7 @@ class RayTrainers(EnginesApart, TrainerPool):
                 num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.groups[-1],
                                                                      placement_group_bundle_index=bundle),
-            ).remote(host, engine, plan_of(engine), updates, num_threads(r.num_cpus), forwarded)))
+            ).remote(host, engine, engine_plan(engine), updates, num_threads(r.num_cpus), forwarded)))
         self.engines_apart = set(self.engines)
         self._start_engines_apart()
         self.housemates = {agent: agents for agents in layout.values() for agent in agents}

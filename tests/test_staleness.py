@@ -343,6 +343,20 @@ def test_an_evaluation_partner_of_an_agent_with_an_engine_apart_samples_in_its_o
     assert list(plan_of(trainers).engine_resources) == ["a"]
 
 
+@pytest.mark.fast
+def test_an_engine_apart_holds_its_agent_never_a_critic_placed_with_it():
+    from agent_trainer.actor import engine_config, engine_plan
+    from protocols.plan import plan_of
+
+    raw = config(ray=True, algorithm={"baseline": "critic"}, critic={"placement": "agent", "model": "agent"})
+    raw["agents"]["a"]["rollout"] = {"placement": "separate", "resources": {"num_cpus": 0.5}}
+    cfg = validate_config(raw)
+    plan = plan_of(cfg)
+    assert plan.member_layout["a"] == ["a", "critic"]  # the critic lives in a's learner process
+    engine = engine_config(cfg, "a", plan.engine_layout["a"], plan.engine_resources["a"])
+    assert engine_plan(engine).member_layout["a"] == ["a"]  # and not in its engine's
+
+
 def _one_agent_apart(steps: int, **train) -> dict:
     raw = config(agents=("a",), ray=True, train={"steps": steps, "max_staleness": 1, **train})
     raw["agents"]["a"]["rollout"] = {"placement": "separate", "resources": {"num_cpus": 0.5}}
