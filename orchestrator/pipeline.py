@@ -146,6 +146,7 @@ class AsyncRollouts:
         self.through = dict.fromkeys(self.agents, self.base)  # weights after the steps before this are in place
         self.version_at = {a: {self.base: versions[a]} for a in self.agents}  # agent -> step -> version after steps < it
         self.calls: list[tuple[str, str, float, float]] = []  # (agent, generate | update, start, end)
+        self.running: dict[str, float] = {}  # agent -> the start of its generate under way
         self.update_start = 0.0
         self.failure: BaseException | None = None
         self.stopped = False
@@ -194,7 +195,14 @@ class AsyncRollouts:
             requests = {a: GenerateRequest(prompts=p, seed=rollout.derive_seed(seed, a), policy_version=versions[a])
                         for a, p in prompts.items() if p}
             start = time.perf_counter()
-            results = self.source.pool.each(Agent.generate, requests)
+            with self.cond:
+                self.running.update(dict.fromkeys(requests, start))
+            try:
+                results = self.source.pool.each(Agent.generate, requests)
+            finally:
+                with self.cond:
+                    for a in requests:
+                        del self.running[a]
             end = time.perf_counter()
             with self.cond:
                 self.calls.extend((a, "generate", start, end) for a in requests)
@@ -283,10 +291,11 @@ class AsyncRollouts:
 
     def metrics(self, window: tuple[float, float]) -> dict[str, Any]:
         """Overlap and idle time of the step in `window`, and its generate, update and coordinator seconds
-        measured from the calls (generation for later steps included)."""
+        measured from the calls (generation for later steps included, a generate still under way up to the
+        window's end: the rest of it falls in the next step's)."""
         with self.cond:
-            calls = [c for c in self.calls if c[3] > window[0]]
-            self.calls = calls
+            self.calls = [c for c in self.calls if c[3] > window[0]]
+            calls = self.calls + [(a, "generate", start, window[1]) for a, start in self.running.items()]
         out = timing_metrics(calls, window, self.agents)
         gens = clipped([(c[2], c[3]) for c in calls if c[1] == "generate"], window)
         ups = clipped([(c[2], c[3]) for c in calls if c[1] == "update"], window)

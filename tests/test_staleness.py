@@ -103,6 +103,25 @@ def test_overlap_and_idle_time_are_measured_from_the_calls():
 
 
 @pytest.mark.fast
+def test_a_generate_still_under_way_at_the_steps_end_counts_in_that_steps_overlap():
+    """A rollout played ahead often outlasts the update it overlaps: its generate is counted up to the step's
+    end, and the rest of it in the next step's."""
+    import threading
+
+    from orchestrator.pipeline import AsyncRollouts
+
+    pipe = object.__new__(AsyncRollouts)  # the timing alone: no source, no producer thread
+    pipe.cond, pipe.agents = threading.Condition(), ["a", "b"]
+    pipe.calls, pipe.running = [("a", "update", 2.0, 6.0)], {"b": 1.0}
+    out = pipe.metrics((0.0, 8.0))
+    assert out["time/overlap"] == pytest.approx(4.0) and out["time/generate"] == pytest.approx(7.0)
+    assert out["time/idle/b"] == pytest.approx(1.0) and out["time/coordinator"] == pytest.approx(1.0)
+    pipe.running = {}
+    pipe.calls.append(("b", "generate", 1.0, 9.0))  # it ended in the next step
+    assert pipe.metrics((8.0, 10.0))["time/generate"] == pytest.approx(1.0)
+
+
+@pytest.mark.fast
 def test_a_resume_with_a_shorter_lag_plays_again_the_rollouts_it_does_not_keep():
     records = [{"step": s, "data_before": {"epoch": 0, "index": s}, "episodes_before": 4 * s} for s in (5, 6, 7)]
     kept, replay = pipeline.kept_rollouts(records, 5, 2)
