@@ -146,9 +146,12 @@ class _TrainerActor:
     """Holds one host (`agent_trainer.hosts.Host`): its agents' trainers; Ray pins it to its bundle, and
     CUDA_VISIBLE_DEVICES to its GPU."""
 
-    def __init__(self, host, config, plan, updates, threads, forwarded: ForwardedEnv | None = None):
+    def __init__(self, host, config, plan, updates, threads, forwarded: ForwardedEnv | None = None, nice: int = 0):
+        """`nice`: raise the process's niceness by this much first (an engine apart: `RunPlan.engine_niceness`)."""
         if forwarded is not None:
             forwarded.apply()  # before anything reads the environment (the store's client, the model hub's)
+        if nice:
+            os.nice(nice)
         started = time.perf_counter()
         import torch
 
@@ -226,7 +229,7 @@ class _TrainerActor:
         """Per agent of this host: its process, node, device, precision (`agent_trainer.precision.Precision` as a
         dict) and engine, the seconds this actor took to start and those its model took to load (the start error,
         if any, under "")."""
-        common = {"pid": os.getpid(), "error": self.error, "start_s": self.start_s,
+        common = {"pid": os.getpid(), "nice": os.nice(0), "error": self.error, "start_s": self.start_s,
                   "node": ray.get_runtime_context().get_node_id(),
                   "node_label": self.node, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                   "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
@@ -405,7 +408,8 @@ class RayTrainers(EnginesApart, TrainerPool):
                 num_cpus=r.num_cpus, num_gpus=r.num_gpus, **actor_extras(r, runtime_env),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.groups[-1],
                                                                      placement_group_bundle_index=bundle),
-            ).remote(host, engine, engine_plan(engine), updates, num_threads(r.num_cpus), forwarded)))
+            ).remote(host, engine, engine_plan(engine), updates, num_threads(r.num_cpus), forwarded,
+                      plan.engine_niceness[host])))
         self.engines_apart = set(self.engines)
         self._start_engines_apart()
         self.housemates = {agent: agents for agents in layout.values() for agent in agents}

@@ -5,7 +5,8 @@ a core), with the step's generate, update and overlapped seconds.
     python benchmarks/async_tiny.py [--model builtin:tiny] [--engine hf|vllm] [--tokens 16] [--steps 14]
                                     [--cases simultaneous:colocated:0,...] [--dtype float32] [--adapters RANK]
 
-`--cases`: the runs, each SCHEDULE:PLACEMENT:K (default: both schedules, each placement, K 0 and 1). The last line
+`--cases`: the runs, each SCHEDULE:PLACEMENT:K (default: both schedules, each placement, K 0 and 1), a separate one
+optionally SCHEDULE:separate:K:NICE (the engines' `rollout.nice`; default `auto`, 10 on CPU). The last line
 compares the last case with the first: `separate / colocated s/step: R` when they are `alternate:separate:1` and
 `alternate:colocated:0`, the target setting of separate engines (`--engine vllm`, SmolLM2). `--adapters RANK`: the
 two agents are adapter agents of one shared host instead, its engine colocated (the host's process, 2 cores) or one
@@ -31,7 +32,7 @@ from protocols.config import validate_config  # noqa: E402
 from tests.envs import config  # noqa: E402
 
 
-def run(placement: str, k: int, kind: str, args) -> tuple[float, str]:
+def run(placement: str, k: int, kind: str, args, nice: int | None = None) -> tuple[float, str]:
     raw = config(turns=2, ray=True, train={"steps": args.steps, "max_staleness": k, "batch_size": 4,
                                             "num_generations": 4}, schedule={"kind": kind})
     share = 1.0 if args.adapters else 0.5  # of the 2 cores: a host and its engine apart, or two agents' hosts
@@ -47,14 +48,16 @@ def run(placement: str, k: int, kind: str, args) -> tuple[float, str]:
         else:
             spec["resources"] = {"num_cpus": share}
         spec["rollout"] = {"placement": placement, "engine": args.engine,
-                           **({"resources": {"num_cpus": share}} if placement == "separate" else {})}
+                           **({"resources": {"num_cpus": share}} if placement == "separate" else {}),
+                           **({"nice": nice} if nice is not None else {})}
     with Coordinator(validate_config(raw), None) as coord:
         history = coord.run()
     ends = [m["time/end"] for m in history]
     seconds = (ends[-3] - ends[3]) / (len(ends) - 6)
     middle = history[3:-2]
     mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in middle)  # noqa: E731
-    return seconds, (f"{kind:12s} {placement:9s} K={k}: {seconds:.3f} s/step, generate {mean('time/generate'):.3f}, "
+    niceness = f" nice {nice}" if nice is not None else ""
+    return seconds, (f"{kind:12s} {placement:9s} K={k}{niceness}: {seconds:.3f} s/step, generate {mean('time/generate'):.3f}, "
                      f"update {mean('time/update'):.3f}, overlap {mean('time/overlap'):.3f}")
 
 
@@ -80,16 +83,17 @@ def main() -> None:
         parser.error(f"--steps {args.steps}: at least 8 (steps 4 .. N-2 are timed)")
     cases = [c.split(":") for c in args.cases.split(",")]
     for case in cases:
-        if len(case) != 3 or case[1] not in ("colocated", "separate") or not case[2].isdigit():
-            parser.error(f"--cases: {':'.join(case)!r} is not SCHEDULE:colocated|separate:K")
-    cases = [(kind, placement, int(k)) for kind, placement, k in cases]
+        if len(case) not in (3, 4) or case[1] not in ("colocated", "separate") or not all(
+                x.isdigit() for x in case[2:]) or (len(case) == 4 and case[1] != "separate"):
+            parser.error(f"--cases: {':'.join(case)!r} is not SCHEDULE:colocated|separate:K or SCHEDULE:separate:K:NICE")
+    cases = [(kind, placement, int(k), *(int(n) for n in nice)) for kind, placement, k, *nice in cases]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     agents = f"two adapter agents (rank {args.adapters}) on one host" if args.adapters else "two agents"
     print(f"{args.model}, {agents}, engine {args.engine}, {args.dtype}, {args.tokens} new tokens, {args.steps} steps")
     seconds = []
-    for kind, placement, k in cases:
-        took, line = run(placement, k, kind, args)
+    for kind, placement, k, *nice in cases:
+        took, line = run(placement, k, kind, args, *nice)
         seconds.append(took)
         print(line, flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

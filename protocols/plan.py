@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from protocols.config import (
-    CriticConfig, ResourcesConfig, RunConfig, agent_resources, critic_host_agent, critic_members, critic_settings, engine_cache_sizes,
-    host_layout, host_resources, member_layout,
+    CriticConfig, ResourcesConfig, RunConfig, agent_resources, critic_host_agent, critic_members, critic_settings,
+    engine_cache_sizes, engine_niceness, host_layout, host_resources, member_layout,
 )
 
 
@@ -44,6 +44,8 @@ class RunPlan:
     engine_resources: dict[str, ResourcesConfig]
     """Host name (of `engine_layout`) -> what its engine process asks of the cluster: `rollout.resources`, else the
     host's per-worker resources, in one process."""
+    engine_niceness: dict[str, int]
+    """Host name (of `engine_layout`) -> its engine process's niceness (`rollout.nice`; `engine_niceness`)."""
 
 
 def plan_of(config: RunConfig) -> RunPlan:
@@ -51,6 +53,8 @@ def plan_of(config: RunConfig) -> RunPlan:
     critics = critic_members(config)
     apart = {host: agents for host, agents in host_layout(config).items()  # its agents place their engine alike
              if config.agents[agents[0]].rollout.placement == "separate"}
+    engines = {host: (config.agents[agents[0]].rollout.resources or agent_resources(config, agents[0]))
+               .model_copy(update={"num_workers": 1}) for host, agents in apart.items()}
     return RunPlan(
         host_layout=host_layout(config),
         critic=critic_settings(config),
@@ -62,8 +66,9 @@ def plan_of(config: RunConfig) -> RunPlan:
                           else config.train.max_staleness for a, spec in config.agents.items()},
         engine_cache_sizes=engine_cache_sizes(config),
         engine_layout=apart,
-        engine_resources={host: (config.agents[agents[0]].rollout.resources or agent_resources(config, agents[0]))
-                          .model_copy(update={"num_workers": 1}) for host, agents in apart.items()},
+        engine_resources=engines,
+        engine_niceness={host: engine_niceness(config.agents[agents[0]].rollout, engines[host])
+                         for host, agents in apart.items()},
     )
 
 

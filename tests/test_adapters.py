@@ -308,6 +308,7 @@ def test_one_engine_apart_serves_every_adapter_of_a_shared_host_and_samples_as_t
                 pool, info = coord.pool, coord.pool.info()
                 assert len({info[a]["rollout_engine"]["pid"] for a in AGENTS}) == 1  # one engine for the three
                 assert info["a"]["rollout_engine"]["pid"] != info["a"]["pid"]
+                assert info["a"]["rollout_engine"]["nice"] == min(19, info["a"]["nice"] + 10)  # auto, on CPU: 10
                 assert all(pool.start_info[a]["weight_transfer"] == "a gloo group with its learner, into shared "
                            "memory on their node" for a in AGENTS)
                 learned = digests(coord)

@@ -112,6 +112,8 @@ CASES = {
                                     "agents.a.rollout.placement: separate runs the engine in a process of its own"),
     "weight_transfer_without_separate_engine": (run(setter("agents.a.rollout", {"weight_transfer": "store"})),
                                                 "agents.a.rollout.weight_transfer: store is how an engine of its own"),
+    "nice_without_separate_engine": (run(setter("agents.a.rollout", {"nice": 5})),
+                                     "agents.a.rollout.nice: 5 is the niceness of an engine of its own"),
     "env_raises_in_reset": (run(broken_env("reset")), "episode 1 turn 1: BrokenEnv.reset raised KeyError: 'target' "
                                                       "at tests/envs.py:95;"),
     "env_raises_in_step": (run(broken_env("step")), "episode 1 turn 1: BrokenEnv.step raised ZeroDivisionError: "

@@ -78,6 +78,11 @@ class RolloutConfig(_Strict):
     buckets; Ray's object store where no group can be formed (said at start). The engine then holds one version at
     a time, so with `train.max_staleness` above 1 an update waits for the rollouts that draw with the weights before
     it. `store`: each version the learner publishes, through Ray's object store."""
+    nice: int | Literal["auto"] = "auto"
+    """`placement: separate`: the engine process's scheduling niceness, 0 to 19 (higher: it yields the cores it
+    shares to processes of lower niceness). `auto`: 10 for an engine without a GPU, whose work is the rollouts of
+    later steps while its learner's update, the step's critical path, shares the node's cores with it; 0 with a
+    GPU (`engine_niceness`)."""
     max_staleness: int | None = Field(None, ge=0)
     """Most policy versions this agent's actions (and its partners' in the same episode) may be behind their
     learners when this agent's update uses them; staler ones are dropped and counted (`staleness/NAME/dropped`).
@@ -94,6 +99,15 @@ class RolloutConfig(_Strict):
         if not value >= 1.0:
             raise ValueError("Input should be greater than or equal to 1")
         return float(value)
+
+    @field_validator("nice", mode="before")
+    @classmethod
+    def _nice(cls, value):
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
+            raise ValueError("Input should be an integer from 0 to 19, or auto")
+        return value
 
     @model_validator(mode="after")
     def _engine_defaults(self) -> RolloutConfig:
@@ -115,6 +129,10 @@ def separate_engine_problem(name: str, agent: AgentConfig, ray_enabled: bool) ->
             return (f"agents.{name}.rollout.weight_transfer: {rollout.weight_transfer} is how an engine of its own takes "
                     f"the weights, but agents.{name}.rollout.placement is 'colocated' (the engine shares the trainer's); "
                     f"set agents.{name}.rollout.placement: separate or remove agents.{name}.rollout.weight_transfer")
+        if rollout.nice != "auto":
+            return (f"agents.{name}.rollout.nice: {rollout.nice} is the niceness of an engine of its own, but "
+                    f"agents.{name}.rollout.placement is 'colocated' (the engine runs in the trainer's process); set "
+                    f"agents.{name}.rollout.placement: separate or remove agents.{name}.rollout.nice")
         return None
     key = f"agents.{name}.rollout.placement: separate"
     if not ray_enabled:
@@ -165,7 +183,7 @@ def engine_cache_sizes(config: RunConfig) -> dict[str, int]:
     return sizes
 
 
-_ONE_ENGINE = ("placement", "resources", "weight_transfer")
+_ONE_ENGINE = ("placement", "resources", "weight_transfer", "nice")
 """What the agents of one host must agree on about their rollout: apart, they share one engine process."""
 
 
@@ -188,3 +206,11 @@ def host_engine_problem(name: str, agent: AgentConfig, config: RunConfig) -> str
 def _shown(value):
     """A setting as a config writes it."""
     return value.model_dump(exclude_defaults=True) if hasattr(value, "model_dump") else value
+
+
+def engine_niceness(rollout: RolloutConfig, resources: ResourcesConfig) -> int:
+    """The niceness of an engine apart with `resources` (`RunPlan.engine_resources`): `rollout.nice`, where `auto` is
+    10 on CPU and 0 with a GPU."""
+    if rollout.nice != "auto":
+        return rollout.nice
+    return 10 if resources.num_gpus == 0 else 0
