@@ -57,8 +57,9 @@ def run(placement: str, k: int, kind: str, args, nice: int | None = None) -> tup
     middle = history[3:-2]
     mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in middle)  # noqa: E731
     niceness = f" nice {nice}" if nice is not None else ""
-    return seconds, (f"{kind:12s} {placement:9s} K={k}{niceness}: {seconds:.3f} s/step, generate {mean('time/generate'):.3f}, "
-                     f"update {mean('time/update'):.3f}, overlap {mean('time/overlap'):.3f}")
+    return seconds, (f"{kind:12s} {placement:9s} K={k}{niceness}: {seconds:.3f} s/step, "
+                     f"generate {mean('time/generate'):.3f}, update {mean('time/update'):.3f}, "
+                     f"overlap {mean('time/overlap'):.3f}")
 
 
 CASES = ",".join(f"{kind}:{placement}:{k}" for kind in ("simultaneous", "alternate")
@@ -85,7 +86,8 @@ def main() -> None:
     for case in cases:
         if len(case) not in (3, 4) or case[1] not in ("colocated", "separate") or not all(
                 x.isdigit() for x in case[2:]) or (len(case) == 4 and case[1] != "separate"):
-            parser.error(f"--cases: {':'.join(case)!r} is not SCHEDULE:colocated|separate:K or SCHEDULE:separate:K:NICE")
+            parser.error(f"--cases: {':'.join(case)!r} is not SCHEDULE:colocated|separate:K or "
+                         "SCHEDULE:separate:K:NICE")
     cases = [(kind, placement, int(k), *(int(n) for n in nice)) for kind, placement, k, *nice in cases]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

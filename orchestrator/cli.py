@@ -297,7 +297,8 @@ def cmd_validate(args) -> int:
     for host, names in coordinator.plan.engine_layout.items():  # rollout.placement: separate
         r = coordinator.plan.engine_resources[host]
         shared = f", one copy of {config.agents[names[0]].model} and {len(names)} adapters" if len(names) > 1 else ""
-        print(f"rollout engine apart, host {host}: {', '.join(names)}; {r.num_cpus:g} CPUs, {r.num_gpus:g} GPUs{shared}")
+        print(f"rollout engine apart, host {host}: {', '.join(names)}; {r.num_cpus:g} CPUs, {r.num_gpus:g} GPUs"
+              f"{shared}")
     _print_precision(config, joins)
     if not schedule.trainable:
         print("no agent trains (all are in schedule.frozen): the run plays episodes and logs their rewards only")

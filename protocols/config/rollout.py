@@ -67,9 +67,9 @@ class RolloutConfig(_Strict):
     version of the learner's when a generate asks for it (`weight_transfer`), so that with
     `train.max_staleness` > 0 it generates the next rollouts while its own learner updates. Needs Ray; either
     engine (`hf`, `vllm`). An adapter agent's engine holds the base and takes only the adapter's weights; the
-    agents of a shared host place their engine alike and get one engine apart for all their adapters. A data-parallel agent's engine is one process, fed by worker 0, that samples
-    every worker's rows; its learner workers hold no engine of their own (and so a `vllm` agent may have
-    several workers)."""
+    agents of a shared host place their engine alike and get one engine apart for all their adapters. A
+    data-parallel agent's engine is one process, fed by worker 0, that samples every worker's rows; its learner
+    workers hold no engine of their own (and so a `vllm` agent may have several workers)."""
     resources: ResourcesConfig | None = None
     """`placement: separate`: the engine actor's CPUs and GPUs; None: the same as the agent's `resources`."""
     weight_transfer: Literal["group", "store"] = "group"
@@ -79,10 +79,10 @@ class RolloutConfig(_Strict):
     a time, so with `train.max_staleness` above 1 an update waits for the rollouts that draw with the weights before
     it. `store`: each version the learner publishes, through Ray's object store."""
     nice: int | Literal["auto"] = "auto"
-    """`placement: separate`: the engine process's scheduling niceness, 0 to 19 (higher: it yields the cores it
-    shares to processes of lower niceness). `auto`: 10 for an engine without a GPU, whose work is the rollouts of
-    later steps while its learner's update, the step's critical path, shares the node's cores with it; 0 with a
-    GPU (`engine_niceness`)."""
+    """`placement: separate`: the niceness the engine process adds to its own as it starts, 0 to 19, over its
+    learner's (higher: it yields the cores they share). `auto`: 10 for an engine without a GPU, whose work is the
+    rollouts of later steps while its learner's update, the step's critical path, shares the node's cores with it;
+    0 with a GPU (`engine_niceness`)."""
     max_staleness: int | None = Field(None, ge=0)
     """Most policy versions this agent's actions (and its partners' in the same episode) may be behind their
     learners when this agent's update uses them; staler ones are dropped and counted (`staleness/NAME/dropped`).
@@ -194,7 +194,9 @@ def host_engine_problem(name: str, agent: AgentConfig, config: RunConfig) -> str
     if agent.host is None:
         return None
     first = next(n for n, a in config.agents.items() if a.host == agent.host)
-    for key in _ONE_ENGINE if first != name else ():
+    if first == name:
+        return None
+    for key in _ONE_ENGINE:
         mine, theirs = getattr(agent.rollout, key), getattr(config.agents[first].rollout, key)
         if mine != theirs:
             return (f"agents.{name}.rollout.{key}: {_shown(mine)!r} differs from agents.{first}.rollout.{key} "
