@@ -79,10 +79,11 @@ class RolloutConfig(_Strict):
     a time, so with `train.max_staleness` above 1 an update waits for the rollouts that draw with the weights before
     it. `store`: each version the learner publishes, through Ray's object store."""
     nice: int | Literal["auto"] = "auto"
-    """`placement: separate`: the niceness the engine process adds to its own as it starts, 0 to 19, over its
-    learner's (higher: it yields the cores they share). `auto`: 10 for an engine without a GPU, whose work is the
-    rollouts of later steps while its learner's update, the step's critical path, shares the node's cores with it;
-    0 with a GPU (`engine_niceness`)."""
+    """`placement: separate`: the niceness the engine process adds to its own as it starts, 0 to 19 (higher: it
+    yields the cores it shares with its learner; the system caps niceness at 19, and Ray starts its workers at 15,
+    its `worker_niceness`, so there the engine ends at most 4 above its learner). `auto`: 10 for an engine without
+    a GPU, whose work is the rollouts of later steps while its learner's update, the step's critical path, shares
+    the node's cores with it; 0 with a GPU (`engine_niceness`). The start line gives both processes' niceness."""
     max_staleness: int | None = Field(None, ge=0)
     """Most policy versions this agent's actions (and its partners' in the same episode) may be behind their
     learners when this agent's update uses them; staler ones are dropped and counted (`staleness/NAME/dropped`).
