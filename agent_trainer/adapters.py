@@ -52,9 +52,8 @@ class SharedBase:
         self._parts: dict[str, tuple[dict[str, torch.nn.Parameter], list[torch.nn.Module]]] = {}
 
     def parts(self, agent: str) -> tuple[dict[str, torch.nn.Parameter], list[torch.nn.Module]]:
-        """Agent `agent`'s adapter parameters and its dropout modules, found once (a walk of the whole model
-        each time cost ~10 ms, paid by every call of the agent and twice by every weight transfer); an `attach`
-        forgets them."""
+        """Agent `agent`'s adapter parameters and its dropout modules, found once by a walk of the whole model
+        (not at every call of the agent, nor twice per weight transfer); an `attach` forgets them."""
         if agent not in self._parts:
             name = adapter_name(agent)
             dropouts = [m.lora_dropout[name] for m in self.model.modules()

@@ -24,10 +24,11 @@ from protocols.errors import describe, one_line
 
 class EnginesApart:
     """The engines-apart part of the Ray pool. The pool sets `workers` (agent -> its actors), `engines` (agent -> its
-    engine's actor), and has `timeout_of` and `close`."""
+    engine's actor) and `housemates`, and has `timeout_of` and `close`."""
 
     workers: dict[str, list]
     engines: dict[str, Any]
+    housemates: dict[str, list[str]]  # agent -> the agents of its host (its learner's process)
     timeout_of: Callable
     close: Callable
 
@@ -84,6 +85,12 @@ class EnginesApart:
         with self.sync_lock:
             newest = max(self.published[agent])
         self._sync_engine(agent, newest)
+
+    def push_before_update(self, agents: list[str]) -> None:
+        """`push_weights` for each of `agents` fed by a weight channel and for each agent of their hosts: the update
+        keeps their learner's process busy, and a transfer asked of it meanwhile would wait for the update's end."""
+        for agent in sorted({h for a in agents for h in self.housemates[a]} & self.engines_pushed):
+            self.push_weights(agent)
 
     def _publish(self, agents: list[str], versions: dict[str, int] | None = None) -> None:
         """Each learner of `agents` puts its weights into the object store, under its policy version (asked when not

@@ -262,12 +262,8 @@ class AsyncRollouts:
             # rollouts that draw with older weights are played first, and the current weights are put into the
             # engine now if a rollout still to play draws with them (the one `lag` steps ahead)
             self._wait(lambda: self._played_through(step + self.lag - 1))
-            if not self._played_through(step + self.lag):
-                # so are those of the agents whose learner shares a process with one about to train (a shared
-                # host): sent later, they would wait for the update to end, and the rollouts with them
-                housemates = getattr(self.source.pool, "housemates", {})
-                for agent in sorted({h for a in pushed for h in housemates.get(a, [a])} & self.pushed):
-                    self.source.pool.push_weights(agent)
+            if not self._played_through(step + self.lag):  # with those of their hosts' other agents
+                self.source.pool.push_before_update(pushed)
         self.update_start = time.perf_counter()
 
     def settle(self, step: int) -> None:

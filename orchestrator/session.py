@@ -73,7 +73,7 @@ class Session:
         self.say_precision()
         transfers = {a: i["weight_transfer"] for a, i in info.items() if "weight_transfer" in i}
         if transfers:
-            nice = {a: (info[a]["rollout_engine"].get("nice", 0), info[a].get("nice", 0)) for a in transfers}
+            nice = {a: (info[a]["rollout_engine"]["nice"], info[a]["nice"]) for a in transfers}
             print("marsi: weights to the rollout engines apart: " + "; ".join(
                 f"{a} by {t}" + (f" (engine at niceness {nice[a][0]}, its learner at {nice[a][1]})"
                                  if nice[a][0] != nice[a][1] else "") for a, t in transfers.items()), flush=True)

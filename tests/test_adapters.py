@@ -281,9 +281,24 @@ def _shared_host(placement: str) -> dict:
 
 @pytest.mark.fast
 def test_a_shared_hosts_agents_have_one_engine_apart_on_its_rollout_resources():
-    plan = plan_of(validate_config(_shared_host("separate")))
+    raw = _shared_host("separate")
+    for name in AGENTS:
+        raw["agents"][name]["rollout"]["resources"] = {"num_cpus": 0.25}
+    plan = plan_of(validate_config(raw))
     assert plan.engine_layout == {"h": list(AGENTS)}
-    assert plan.engine_resources["h"].num_cpus == 0.5 and plan.host_resources["h"].num_cpus == 0.5
+    assert plan.engine_resources["h"].num_cpus == 0.25 and plan.host_resources["h"].num_cpus == 0.5
+    assert plan.engine_niceness == {"h": 10}  # auto, without a GPU
+    for name in AGENTS:
+        del raw["agents"][name]["rollout"]["resources"]
+    assert plan_of(validate_config(raw)).engine_resources["h"].num_cpus == 0.5  # none given: the host's
+    raw["agents"]["c"]["rollout"]["nice"] = 3
+    with pytest.raises(ConfigError, match=r"agents\.c\.rollout\.nice: 3 differs from agents\.a\.rollout\.nice 'auto'"):
+        validate_config(raw)
+    for bad in (20, -1, True, "high"):
+        raw["agents"]["c"]["rollout"]["nice"] = bad
+        with pytest.raises(ConfigError, match=r"agents\.c\.rollout\.nice: Input should be an integer from 0 to "
+                                              r"19, or auto"):
+            validate_config(raw)
 
 
 def test_validate_prints_the_shared_hosts_engine_apart(tmp_path, capsys):
