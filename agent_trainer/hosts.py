@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from agent_trainer.adapters import AdapterTrainer, SharedBase
+from agent_trainer.adapters import AdapterTrainer, SharedBase, adapter_rank, adapter_targets
 from agent_trainer.agent import Agent, Served
 from agent_trainer.critic import Critic
 from agent_trainer.critic_trainer import CriticTrainer
@@ -36,7 +36,8 @@ class Host:
         self.name = host
         self.agents = plan.member_layout[host]
         indices = {name: i for i, name in enumerate(config.agents)}  # seeds follow the declaration order
-        base = SharedBase() if any(config.agents[a].adapter is not None for a in self.agents if a in indices) else None
+        base = (SharedBase(engine_slots=engine_slots(config, [a for a in self.agents if a in indices]))
+                if any(config.agents[a].adapter is not None for a in self.agents if a in indices) else None)
         self.trainers: dict[str, Any] = {}
         self.served: dict[str, Served] = {}
         for name in self.agents:
@@ -52,6 +53,19 @@ class Host:
         """Run `method` (a method of what `member` is served as, which declares its dispatch) for `member`."""
         dispatch_of(method)
         return method(self.served[member], *args)
+
+
+def engine_slots(config: RunConfig, agents: list[str]):
+    """The LoRA slots of the vLLM engine that a host's adapter `agents` sampling with vLLM in the host share
+    (`engine_vllm.AdapterSlots`: one per such agent, of their largest rank), or None where none does."""
+    users = [a for a in agents if config.agents[a].adapter is not None and config.agents[a].rollout.engine == "vllm"
+             and config.agents[a].rollout.placement == "colocated"]
+    if not users:
+        return None
+    from agent_trainer.engine_vllm import AdapterSlots
+
+    return AdapterSlots(rank=max(adapter_rank(config.agents[a]) for a in users), count=len(users),
+                        targets=tuple(sorted({t for a in users for t in adapter_targets(config.agents[a])})))
 
 
 def start_critic(name: str, config: RunConfig, plan: RunPlan, trainers: dict[str, Any]):
@@ -90,12 +104,12 @@ def start_trainer(name: str, config: RunConfig, plan: RunPlan, index: int, total
     agent = config.agents[name].model_copy(update={"resources": agent_resources(config, name)})  # a shared host's
     kwargs = dict(seed=config.train.seed + index, total_updates=total_updates,
                   trainable=name not in config.schedule.frozen, staleness_bound=plan.staleness_bounds[name])
+    kwargs["kv_cache_sequences"] = plan.engine_cache_sizes.get(name)
     try:
         if agent.adapter is not None:
             trainer = AdapterTrainer(name, agent, config.algorithm, base=base, **kwargs)
         else:
-            trainer = AgentTrainer(name, agent, config.algorithm, kv_cache_sequences=plan.engine_cache_sizes.get(name),
-                                   **kwargs)
+            trainer = AgentTrainer(name, agent, config.algorithm, **kwargs)
     except Exception as exc:
         raise TrainerStartError(f"agent {name!r} could not start: {describe(exc)}") from exc
     trainer.where = where

@@ -64,7 +64,7 @@ from agent_trainer import attention, losses, precision, rng, sampling, shared_pr
 from agent_trainer.guarded_step import GuardedSteps
 from agent_trainer.optimizer_offload import OptimizerOffload
 from agent_trainer.engine_kinds import make_engine
-from agent_trainer.engines import left_pad, model_logps
+from agent_trainer.engines import RolloutEngine, left_pad, model_logps
 from agent_trainer.models import (
     DTYPES, SOURCE_MARKER, context_problem, fingerprint_difference, load_model, resolve_model_path, source_fingerprint,
 )
@@ -113,10 +113,11 @@ class AgentTrainer:
             raise ValueError(problem)
         self.stop_ids = sampling.stop_token_ids(self.tokenizer, self.model)
         model_path = resolve_model_path(agent.model)
-        self.engine = make_engine(agent, self.model, model_path=model_path,
-                                  tokenizer_path=resolve_model_path(agent.tokenizer) if agent.tokenizer else model_path,
-                                  stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id, device=self.device,
-                                  seed=seed, autocast=self._autocast, kv_cache_sequences=kv_cache_sequences)
+        self.engine = self._make_engine(
+            agent, model_path=model_path,
+            tokenizer_path=resolve_model_path(agent.tokenizer) if agent.tokenizer else model_path,
+            stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id, device=self.device, seed=seed,
+            autocast=self._autocast, kv_cache_sequences=kv_cache_sequences)
         self.load_seconds = time.perf_counter() - loading  # the model, its tokenizer and its rollout engine
         # a frozen agent builds no optimizer and runs no backward pass, so it holds no gradient either. Its parameters
         # keep requires_grad: without it torch's matmul splits its products otherwise, and a frozen copy (a rollout
@@ -443,6 +444,10 @@ class AgentTrainer:
         agent = self.agent
         return load_model(agent.model, tokenizer=agent.tokenizer, device=self.device,
                           dtype="float32" if self.trainable else agent.dtype)
+
+    def _make_engine(self, agent: AgentConfig, **kwargs) -> RolloutEngine:
+        """The rollout engine `agent.rollout` names, over this trainer's model (`engine_kinds.make_engine`)."""
+        return make_engine(agent, self.model, **kwargs)
 
     def _reference_model(self):
         """The KL reference: a frozen copy of the initial policy in the compute dtype."""

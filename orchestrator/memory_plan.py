@@ -59,8 +59,9 @@ class MemoryPlan:
 @dataclass(frozen=True)
 class AgentBytes:
     """Estimated bytes of one agent: its weights (an adapter agent: its adapter; the host's base apart), the
-    gradients of an update, its optimizer state, its colocated vLLM engine's own copy of the weights (an engine
-    of its own, `rollout.placement: separate`, is another process: not counted here)."""
+    gradients of an update, its optimizer state, its colocated vLLM engine's own copy of the weights (adapter
+    agents of one host: the base counted with the first, each agent's adapter with it; an engine of its own,
+    `rollout.placement: separate`, is another process: not counted here)."""
 
     weights: int
     gradients: int
@@ -83,7 +84,10 @@ def estimate(config: RunConfig, counts: dict[str, tuple[int, int]]) -> tuple[dic
         engine = total * width if own_engine else 0
         trains = name not in config.schedule.frozen
         if agent.adapter is not None:
-            base[agent.host or name] = total * width
+            host = agent.host or name
+            if own_engine:  # the host's one engine: the base once, and each agent's adapter
+                engine = trainable * width + (0 if host in base else (total - trainable) * width)
+            base[host] = total * width
             own = trainable * 4
             sizes[name] = AgentBytes(weights=own, gradients=own * trains, optimizer=2 * own * trains, engine=engine)
         elif not trains:

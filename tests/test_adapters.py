@@ -194,7 +194,11 @@ def _edit(change):
     ("host_undefined", lambda r: r["agents"]["a"].update(host="nowhere")),
     ("hosted_agent_resources", lambda r: r["agents"]["a"].update(resources={"num_cpus": 2})),
     ("host_unused", lambda r: r["hosts"].update(spare={})),
-    ("adapter_with_vllm", lambda r: r["agents"]["a"].update(rollout={"engine": "vllm"})),
+    ("adapter_vllm_sleep_mode", lambda r: [r["agents"][a].update(rollout={"engine": "vllm",
+                                                                          "vllm": {"sleep_mode": True}})
+                                           for a in AGENTS]),
+    ("adapter_rank_above_vllm", lambda r: ([r["agents"][a].update(rollout={"engine": "vllm"}) for a in AGENTS],
+                                           r["agents"]["a"]["adapter"].update(rank=1024))),
     ("adapter_path_and_settings", lambda r: r["agents"]["a"].update(adapter={"rank": 4, "path": "/tmp"})),
     ("adapter_path_not_adapter", lambda r: r["agents"]["a"].update(adapter={"path": "/"})),
     ("adapter_path_with_beta", lambda r: (r["agents"]["a"].update(adapter={"path": str(HERE / "fixtures" / "adapter")}),
@@ -339,3 +343,24 @@ def test_one_engine_apart_serves_every_adapter_of_a_shared_host_and_samples_as_t
         run_killing(coord, coord.pool.start_info["b"]["rollout_engine"]["pid"], at_step=2)
         assert coord.restarts == 1
     assert without_times(rows(tmp_path / "killed")) == without_times(rows(tmp_path / "separate"))
+
+
+@pytest.mark.fast
+def test_a_shared_hosts_vllm_engine_is_sized_once_for_the_host():
+    """The host's agents share one vLLM engine: its KV cache holds the rows of the largest of their generate calls,
+    and the memory plan counts the base in it once, beside each agent's adapter."""
+    from orchestrator.memory_plan import estimate
+
+    raw = shared_host_config(roles={"r0": "a", "r1": "a", "r2": "b", "r3": "c"})
+    raw["environment"]["kwargs"]["roles"] = ["r0", "r1", "r2", "r3"]
+    for name in AGENTS:
+        raw["agents"][name]["rollout"] = {"engine": "vllm"}
+    cfg = validate_config(raw)
+    rows_a = cfg.train.batch_size * cfg.train.num_generations * 2  # a holds two roles
+    assert plan_of(cfg).engine_cache_sizes == dict.fromkeys(AGENTS, rows_a)
+    sizes, base = estimate(cfg, dict.fromkeys(AGENTS, (1000, 10)))
+    assert [sizes[a].engine for a in AGENTS] == [4000, 40, 40] and base == {"h": 4000}  # float32 on CPU
+    raw["agents"]["b"]["rollout"] = {"engine": "hf"}
+    with pytest.raises(ConfigError, match=r"agents\.b\.rollout\.engine: 'hf' differs from agents\.a\.rollout\.engine "
+                                          r"'vllm', and both live on host 'h'"):
+        validate_config(raw)

@@ -161,12 +161,13 @@ def workers_problem(name: str, agent: AgentConfig, ray_enabled: bool) -> str | N
 
 
 def engine_settings_problem(name: str, agent: AgentConfig) -> str | None:
-    """Why agent `name`'s vLLM settings do not fit its engine or its resources, or None."""
+    """Why agent `name`'s vLLM settings do not fit its engine or its resources, or None (an adapter agent's sleep
+    mode: `hosts.adapter_problem`)."""
     rollout = agent.rollout
     if rollout.engine == "hf" and rollout.vllm is not None:
         return (f"agents.{name}.rollout.vllm: vLLM settings are given but agents.{name}.rollout.engine "
                 f"is 'hf'; set agents.{name}.rollout.engine: vllm or remove agents.{name}.rollout.vllm")
-    if rollout.vllm is not None and rollout.vllm.sleep_mode and agent.resources.num_gpus == 0:
+    if rollout.vllm is not None and rollout.vllm.sleep_mode and agent.adapter is None and agent.resources.num_gpus == 0:
         return (f"agents.{name}.rollout.vllm.sleep_mode: true frees GPU memory during updates, but "
                 f"agents.{name}.resources.num_gpus is 0 (vLLM has no sleep mode on CPU); set "
                 f"agents.{name}.rollout.vllm.sleep_mode: false or give the agent a GPU")

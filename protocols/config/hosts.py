@@ -45,6 +45,9 @@ def host_resources(config: RunConfig) -> dict[str, ResourcesConfig]:
             for host, names in member_layout(config).items()}
 
 
+VLLM_MAX_LORA_RANK = 512
+"""The largest LoRA rank a vLLM engine serves (its `max_lora_rank`)."""
+
 _SHARED = ("model", "tokenizer", "dtype")
 """What the agents of one host must agree on: they share one base model and its tokenizer."""
 
@@ -94,11 +97,15 @@ def hosts_problem(config: RunConfig) -> str | None:
 
 
 def adapter_problem(name: str, agent: AgentConfig) -> str | None:
-    """Why agent `name`'s adapter cannot be as set (with vLLM, beside a saved adapter's own settings, on several
+    """Why agent `name`'s adapter cannot be as set (with vLLM's sleep mode or above its largest rank, beside a saved adapter's own settings, on several
     workers, under a dotted name), naming the keys and the fix, or None."""
-    if agent.adapter is not None and agent.rollout.engine == "vllm":
-        return (f"agents.{name}.adapter: adapter agents sample with the hf engine (the vllm engine serves full "
-                f"models only); set agents.{name}.rollout.engine: hf or remove agents.{name}.adapter")
+    if agent.adapter is not None and agent.rollout.engine == "vllm" and agent.rollout.vllm.sleep_mode:
+        return (f"agents.{name}.rollout.vllm.sleep_mode: an adapter agent's vllm engine keeps its base through the "
+                f"updates (only the adapter is sent again), so it cannot discard its weights; set "
+                f"agents.{name}.rollout.vllm.sleep_mode: false")
+    if agent.adapter is not None and agent.rollout.engine == "vllm" and agent.adapter.rank > VLLM_MAX_LORA_RANK:
+        return (f"agents.{name}.adapter.rank: {agent.adapter.rank}, but the vllm engine serves LoRA ranks up to "
+                f"{VLLM_MAX_LORA_RANK}; lower agents.{name}.adapter.rank or set agents.{name}.rollout.engine: hf")
     if agent.adapter is not None and agent.adapter.path is not None and agent.adapter.overridden():
         given = agent.adapter.overridden()
         return (f"agents.{name}.adapter.{given[0]}: the adapter at agents.{name}.adapter.path has its own settings; "

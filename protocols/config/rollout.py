@@ -171,7 +171,8 @@ def engine_cache_sizes(config: RunConfig) -> dict[str, int]:
     """Agent -> the whole sequences its vLLM engine's CPU KV cache holds, for each agent sampling with vLLM
     without `kv_cache_gb`: `kv_cache_sequences` where given, else the rows of its largest generate call
     (train.batch_size x train.num_generations x the most roles it holds in one seating, a role counted k times
-    with `roles.attempts`), at most `max_num_seqs`."""
+    with `roles.attempts`), at most `max_num_seqs`; the agents of a shared host share one engine, which holds the
+    most any of them needs."""
     sizes = {}
     for name, agent in config.agents.items():
         settings = agent.rollout.vllm
@@ -181,11 +182,15 @@ def engine_cache_sizes(config: RunConfig) -> dict[str, int]:
                      for seating in config.roles.seatings()] or [1])
         rows = config.train.batch_size * config.train.num_generations * max(1, seats)
         sizes[name] = settings.kv_cache_sequences or min(rows, settings.max_num_seqs)
+    for name, agent in config.agents.items():  # a shared host's agents sample in one engine, one call at a time
+        if name in sizes and agent.host is not None:
+            sizes[name] = max(sizes.get(a, 0) for a, other in config.agents.items() if other.host == agent.host)
     return sizes
 
 
-_ONE_ENGINE = ("placement", "resources", "weight_transfer", "nice")
-"""What the agents of one host must agree on about their rollout: apart, they share one engine process."""
+_ONE_ENGINE = ("engine", "vllm", "placement", "resources", "weight_transfer", "nice")
+"""What the agents of one host must agree on about their rollout: they sample in one engine (one base, each agent's
+adapter), in their host's process or in one apart."""
 
 
 def host_engine_problem(name: str, agent: AgentConfig, config: RunConfig) -> str | None:
@@ -201,8 +206,8 @@ def host_engine_problem(name: str, agent: AgentConfig, config: RunConfig) -> str
         mine, theirs = getattr(agent.rollout, key), getattr(config.agents[first].rollout, key)
         if mine != theirs:
             return (f"agents.{name}.rollout.{key}: {_shown(mine)!r} differs from agents.{first}.rollout.{key} "
-                    f"{_shown(theirs)!r}, and both live on host {agent.host!r}, whose agents sample in one process "
-                    f"(one engine apart serves all their adapters); make them equal")
+                    f"{_shown(theirs)!r}, and both live on host {agent.host!r}, whose agents sample in one engine "
+                    f"(one base, each agent's adapter); make them equal")
     return None
 
 
