@@ -7,7 +7,7 @@ agents never sample with each other's adapter. The engine closes with the last v
 
 - **Weight sync.** The base never trains, so a sync moves only the agent's adapter: its tensors in peft's saved
   layout (`get_peft_model_state_dict`) and its `adapter_config.json` go to a fresh directory (in /dev/shm where
-  the node has one), vLLM loads them into the agent's slot at once, replacing the version it held
+  the node has one and it has room, else the temporary directory), vLLM loads them into the agent's slot at once, replacing the version it held
   (`LoRARequest.load_inplace`), and the directory is removed. The prefix cache is then reset: its KV blocks were
   computed with the old adapter. An adapter vLLM cannot serve (a module it does not adapt, DoRA) fails at the
   view's first sync, which is at start.
@@ -28,6 +28,10 @@ import torch
 
 from agent_trainer.engine_vllm import AdapterSlots, VLLMEngine
 from agent_trainer.engines import Rollout
+
+
+_FOLDERS = ("/dev/shm", None) if os.path.isdir("/dev/shm") else (None,)
+"""Where a sync writes the adapter for vLLM to load: memory first, then the temporary directory (None)."""
 
 
 class AdapterView:
@@ -58,14 +62,11 @@ class AdapterView:
     def sync(self, model: torch.nn.Module) -> None:
         """Load the adapter `model` (the host's peft model) holds for this agent into the engine's slot."""
         from peft.utils import get_peft_model_state_dict
-        from safetensors.torch import save_file
 
         weights = get_peft_model_state_dict(model, adapter_name=self.adapter, save_embedding_layers=False)
-        folder = tempfile.mkdtemp(prefix="marsi-adapter-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        folder = _written({n: t.detach().contiguous().cpu() for n, t in weights.items()},
+                          model.peft_config[self.adapter])
         try:
-            save_file({n: t.detach().contiguous().cpu() for n, t in weights.items()},
-                      os.path.join(folder, "adapter_model.safetensors"))
-            model.peft_config[self.adapter].save_pretrained(folder)
             if not self.engine.llm.llm_engine.add_lora(self.request(folder, reload=True)):
                 raise RuntimeError(f"the vllm engine did not load adapter {self.adapter!r}")
         finally:
@@ -76,6 +77,26 @@ class AdapterView:
         if self._release is not None:
             self._release()
             self._release = None
+
+
+def _written(weights: dict[str, torch.Tensor], config) -> str:
+    """A fresh directory holding an adapter as peft saves one (`weights`, `config`): in /dev/shm where it has room
+    (a container's is often 64 MB), else in the temporary directory."""
+    from safetensors.torch import save_file
+
+    *first, last = _FOLDERS
+    for where in [*first, last]:
+        folder = None
+        try:
+            folder = tempfile.mkdtemp(prefix="marsi-adapter-", dir=where)
+            save_file(weights, os.path.join(folder, "adapter_model.safetensors"))
+            config.save_pretrained(folder)
+            return folder
+        except OSError:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            if where is last:
+                raise
 
 
 class HostEngine:

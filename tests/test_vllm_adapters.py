@@ -110,6 +110,29 @@ def test_an_adapter_on_the_output_head_samples_as_its_learner_and_its_engine_ref
         trainer.close()
 
 
+def test_a_sync_writes_the_adapter_elsewhere_where_shared_memory_refuses_it_and_leaves_nothing(pair, tmp_path,
+                                                                                                monkeypatch):
+    import tempfile
+
+    from agent_trainer import engine_vllm_adapters
+
+    a, full = pair["a"], tmp_path / "full"
+    full.write_text("")  # not a directory: writing there fails as a full /dev/shm does
+    spare = tmp_path / "tmp"
+    spare.mkdir()
+    monkeypatch.setattr(engine_vllm_adapters, "_FOLDERS", (str(full), None))
+    monkeypatch.setattr(tempfile, "tempdir", str(spare))
+    with a.selected():
+        fixed = fixed_sequence(a)
+        with torch.no_grad():
+            for p in a.shared.parts("a")[0].values():
+                p.add_(0.01)
+        assert gap(a.score(fixed, engine=True), a.score(fixed)) > 1e-4
+        a.engine.sync(a.model)
+        assert gap(a.score(fixed, engine=True), a.score(fixed)) < PARITY
+    assert list(spare.iterdir()) == []
+
+
 def _vllm_host(placement: str, staleness: int = 0) -> dict:
     """Host h's three adapter agents sampling with one vLLM engine: in the host's process (in-process run) or
     apart (Ray), rollouts `staleness` steps ahead at most."""
