@@ -15,7 +15,7 @@
    engine's weight sync, the time to start the trainers, and each trainer actor's memory (PSS of its process
    tree, and peak RSS). The vLLM engine's KV cache is sized to the run (`RunPlan.engine_cache_sizes`).
 Between the two (`sync_times`): per dtype, one vLLM agent in this process times its weight sync, vLLM's generic
-reload and a plain `copy_` of the same weights, alternating; then (`learner_times`) the learner's update with
+reload and a plain `copy_` of the same weights, alternating, and an adapter agent (rank 16) its adapter's sync; then (`learner_times`) the learner's update with
 and without a vLLM engine resident in its process, wall and CPU seconds, each in a fresh process, alternating.
 """
 
@@ -149,6 +149,42 @@ def sync_times(args) -> None:
         copy_s, sync_s, reload_s = (bc.median(times[k]) for k in ("copy", "sync", "reload"))
         print(f"{dtype:9s} {copy_s:12.3f} {sync_s:15.3f} {reload_s:13.3f} {sync_s / copy_s:11.1f}", flush=True)
         trainer.close()
+        adapter_sync_times(args, dtype)
+
+
+def adapter_sync_times(args, dtype: str) -> None:
+    """An adapter agent (LoRA of rank 16 on every linear layer) sampling with vLLM: its sync writes the adapter
+    and loads it into the engine's slot (agent_trainer/engine_vllm_adapters.py), against a plain `copy_` of the
+    adapter's tensors; alternating, median of `--repeats` (at least 3)."""
+    import torch
+
+    from agent_trainer.adapters import AdapterTrainer
+    from protocols.config import AgentConfig, AlgorithmConfig
+
+    agent = AgentConfig(model=MODEL, dtype=dtype, generation={"max_completion_length": 32},
+                        rollout={"engine": "vllm", "vllm": {"kv_cache_gb": 0.125, "max_num_seqs": 8}},
+                        adapter={"rank": 16, "alpha": 32, "target_modules": "all-linear"})
+    trainer = AdapterTrainer(f"lora-{dtype}", agent, AlgorithmConfig(), seed=0)
+    weights = list(trainer.published_weights().values())
+    buffers = [w.clone() for w in weights]
+
+    def copy() -> None:
+        with torch.no_grad():
+            for b, w in zip(buffers, weights):
+                b.copy_(w)
+
+    times = {"copy": [], "sync": []}
+    contenders = {"copy": copy, "sync": lambda: trainer.engine.sync(trainer.model)}
+    for r in range(max(3, args.repeats)):
+        for name in list(contenders)[r % 2:] + list(contenders)[:r % 2]:
+            start = time.perf_counter()
+            contenders[name]()
+            times[name].append(time.perf_counter() - start)
+    copy_s, sync_s = bc.median(times["copy"]), bc.median(times["sync"])
+    megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
+    print(f"{'  adapter':9s} {copy_s:12.4f} {sync_s:15.4f} {'-':>13s} {sync_s / copy_s:11.1f}   (rank 16, "
+          f"{megabytes:.1f} MB, {len(weights)} tensors)", flush=True)
+    trainer.close()
 
 
 def learner_child(engine: str, dtype: str, threads: int) -> None:

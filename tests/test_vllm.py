@@ -369,3 +369,25 @@ def test_an_engine_start_prints_neither_the_triton_nor_the_numa_notice(tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "engine done" in done.stderr  # stderr is read
     assert "Triton" not in done.stderr and "NUMA" not in done.stderr, done.stderr
+
+
+def test_a_two_worker_agent_samples_with_a_vllm_engine_of_its_own_as_one_worker_with_its_colocated_one(
+        ray_cluster, tmp_path):
+    """A data-parallel agent cannot hold a vLLM engine in its workers; apart, one vLLM engine fed by worker 0
+    samples every worker's rows, and the run's metrics are those of the agent on one worker with a colocated vLLM
+    engine (floats to the workers' summation order)."""
+    from tests.runs import rows as run_rows, uninterrupted_rows, without_times
+    from tests.test_workers import assert_same_metrics, raw_config
+
+    reference = raw_config(agents=("a",))
+    reference["agents"]["a"]["rollout"] = VLLM
+    expected = uninterrupted_rows(validate_config(reference), tmp_path / "one")
+    raw = raw_config(workers_a=2, ray=True, agents=("a",))
+    raw["agents"]["a"]["rollout"] = {**VLLM, "placement": "separate"}
+    with Coordinator(validate_config(raw), tmp_path / "two") as coord:
+        info = coord.pool.info()["a"]
+        assert len(info["workers"]) == 2 and {w["engine"] for w in info["workers"]} == {"hf"}
+        assert info["rollout_engine"]["engine"] == "vllm"
+        coord.run()
+    assert_same_metrics(without_times(run_rows(tmp_path / "two")), expected)
+    assert expected[-1]["rollout/logp_gap_max/a"] < PARITY
