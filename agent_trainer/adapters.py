@@ -186,8 +186,10 @@ class AdapterTrainer(AgentTrainer):
             slots = shared.engine_slots or AdapterSlots(rank=adapter_rank(agent), count=1,
                                                         targets=adapter_targets(agent))
             shared.vllm = HostEngine(replace(slots, targets=resolved_targets(slots.targets, self.model)))
+        saved = saved_names(self.shared.parts(self.name)[0], self.name)
         view = shared.vllm.view(adapter_name(self.name),
-                                lambda slots: make_engine(agent, self.model, adapters=slots, **kwargs))
+                                lambda slots: make_engine(agent, self.model, adapters=slots, **kwargs),
+                                weights=lambda: {saved[n]: p for n, p in self.shared.parts(self.name)[0].items()})
         try:
             view.sync(self.model)
         except BaseException:
@@ -298,6 +300,12 @@ class AdapterTrainer(AgentTrainer):
         self.engine.sync(self.model)
         self.load_training_state(path)  # its RNG state: `selected` keeps it as this agent's on the way out
         return self._checkpoint_info(path)
+
+
+def saved_names(parameters: dict[str, torch.nn.Parameter], agent: str) -> dict[str, str]:
+    """Agent `agent`'s adapter parameter name -> the name peft saves it under (`get_peft_model_state_dict`: the
+    adapter's name taken out, `...q_proj.lora_A.agent_a.weight` -> `...q_proj.lora_A.weight`)."""
+    return {n: n.replace(f".{adapter_name(agent)}", "") for n in parameters}
 
 
 def _owner(parameter_name: str) -> str | None:

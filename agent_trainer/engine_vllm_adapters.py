@@ -5,8 +5,8 @@ The host's first adapter agent that samples with vLLM builds the engine (`engine
 through an `AdapterView` of it, which names the agent's adapter in every request (vLLM's multi-LoRA), so the host's
 agents never sample with each other's adapter. The engine closes with the last view.
 
-- **Weight sync.** The base never trains, so a sync moves only the agent's adapter: its tensors in peft's saved
-  layout (`get_peft_model_state_dict`) and its `adapter_config.json` go to a fresh directory (in /dev/shm where
+- **Weight sync.** The base never trains, so a sync moves only the agent's adapter: its tensors under the names
+  peft saves them by (`adapters.saved_names`, found once) and its `adapter_config.json` go to a fresh directory (in /dev/shm where
   the node has one and it has room, else the temporary directory), vLLM loads them into the agent's slot at once, replacing the version it held
   (`LoRARequest.load_inplace`), and the directory is removed. The prefix cache is then reset: its KV blocks were
   computed with the old adapter. An adapter vLLM cannot serve (a module it does not adapt, DoRA) fails at the
@@ -14,6 +14,9 @@ agents never sample with each other's adapter. The engine closes with the last v
 - **Precision.** vLLM computes the adapter in the base's dtype (its `lora_dtype: auto`); the learner keeps it in
   float32. With a float32 base the two agree to float rounding; with a bfloat16 one the gap is the engine's
   usual one, which the update's importance weights (`rollout.tis_cap`) correct.
+- **Several engines in one process.** vLLM 0.32 keeps one parallel state per process: closing a LoRA engine while
+  another in the same process still serves breaks the other ("pipeline model parallel group is not
+  initialized"). A run closes its engines together, at its end; code that builds trainers by hand closes them so.
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ class AdapterView:
 
     name = "vllm"
 
-    def __init__(self, engine: VLLMEngine, adapter: str, lora_id: int, release: Callable[[], None]):
+    def __init__(self, engine: VLLMEngine, adapter: str, lora_id: int, release: Callable[[], None],
+                 weights: Callable[[], dict[str, torch.Tensor]]):
+        """`weights`: the adapter's tensors as peft saves them (`get_peft_model_state_dict`'s names)."""
         self.engine, self.adapter, self.lora_id, self._release = engine, adapter, lora_id, release
+        self.weights = weights
 
     def request(self, path: str = "", *, reload: bool = False):
         from vllm.lora.request import LoRARequest
@@ -61,10 +67,7 @@ class AdapterView:
     @torch.no_grad()
     def sync(self, model: torch.nn.Module) -> None:
         """Load the adapter `model` (the host's peft model) holds for this agent into the engine's slot."""
-        from peft.utils import get_peft_model_state_dict
-
-        weights = get_peft_model_state_dict(model, adapter_name=self.adapter, save_embedding_layers=False)
-        folder = _written({n: t.detach().contiguous().cpu() for n, t in weights.items()},
+        folder = _written({n: t.detach().contiguous().cpu() for n, t in self.weights().items()},
                           model.peft_config[self.adapter])
         try:
             if not self.engine.llm.llm_engine.add_lora(self.request(folder, reload=True)):
@@ -108,15 +111,18 @@ class HostEngine:
         self.views: dict[str, AdapterView] = {}
         self._ids = itertools.count(1)  # vLLM's adapter ids: never reused
 
-    def view(self, adapter: str, build: Callable[[AdapterSlots], VLLMEngine]) -> AdapterView:
-        """Agent `adapter`'s view; `build` makes the engine (given the slots) if there is none yet."""
+    def view(self, adapter: str, build: Callable[[AdapterSlots], VLLMEngine],
+             weights: Callable[[], dict[str, torch.Tensor]]) -> AdapterView:
+        """Agent `adapter`'s view (`weights`: its tensors, `AdapterView`); `build` makes the engine (given the
+        slots) if there is none yet."""
         if adapter in self.views:
             raise ValueError(f"adapter {adapter!r} already samples with this host's vllm engine")
         if len(self.views) >= self.slots.count:
             raise ValueError(f"this host's vllm engine has {self.slots.count} adapter slots, all taken")
         if self.engine is None:
             self.engine = build(self.slots)
-        view = AdapterView(self.engine, adapter, lora_id=next(self._ids), release=lambda: self._release(adapter))
+        view = AdapterView(self.engine, adapter, lora_id=next(self._ids), release=lambda: self._release(adapter),
+                           weights=weights)
         self.views[adapter] = view
         return view
 

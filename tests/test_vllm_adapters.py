@@ -23,6 +23,30 @@ from tests.test_vllm import PARITY, VLLM, fixed_sequence, gap  # noqa: E402
 LORA = {"rank": 4, "alpha": 8, "target_modules": "all-linear"}
 
 
+def test_an_adapter_on_the_output_head_samples_as_its_learner_and_its_engine_refuses_to_score():
+    """First in the module: vLLM keeps one parallel state per process, and closing a LoRA engine while another
+    serves in the same process breaks the other (vLLM 0.32), so this engine goes before `pair` starts."""
+    agent = AgentConfig(model="builtin:tiny", dtype="float32", optimizer={"lr": 1e-2}, rollout=VLLM,
+                        generation={"max_completion_length": 6}, adapter={**LORA, "target_modules": ["q_proj", "lm_head"]})
+    trainer = AdapterTrainer("h", agent, AlgorithmConfig())
+    try:
+        with torch.no_grad():  # B = 0 would leave the head's adapter out of the sum
+            for p in trainer.shared.parts("h")[0].values():
+                p.normal_(0, 0.05)
+        trainer.engine.sync(trainer.model)
+        with trainer.selected():
+            result = trainer.generate(GenerateRequest(prompts=["Say a", "Say b"] * 2, seed=0))
+            experiences = [Experience.from_completion(c, 0.0) for c in result.completions]
+            learner = trainer.per_token_logps(experiences)
+            assert gap(learner, [c.per_token_logps for c in result.completions]) < PARITY
+            with trainer.model.disable_adapter():
+                assert gap(learner, trainer.per_token_logps(experiences)) > 1e-2  # the adapter counts
+            with pytest.raises(ValueError, match="adapter on the output head"):
+                trainer.score(experiences, engine=True)
+    finally:
+        trainer.close()
+
+
 @pytest.fixture(scope="module")
 def pair():
     """Adapter agents a and b on one base, sampling with one vLLM engine in this process."""
@@ -44,8 +68,14 @@ def engine_gap(trainer, fixed) -> float:
 
 
 def test_each_agent_samples_with_its_own_adapter_and_an_update_reaches_only_its_own(pair):
+    from peft.utils import get_peft_model_state_dict
+
     a, b = pair["a"], pair["b"]
     assert a.engine.engine is b.engine.engine and a.engine.lora_id != b.engine.lora_id  # one engine, two slots
+    for trainer in (a, b):  # what a sync writes is what peft saves
+        saved = get_peft_model_state_dict(trainer.model, adapter_name=trainer.engine.adapter)
+        sent = trainer.engine.weights()
+        assert sent.keys() == saved.keys() and all(torch.equal(sent[n], saved[n]) for n in saved)
     fixed = fixed_sequence(a)
     for step in range(3):
         for trainer, other in ((a, b), (b, a)):
@@ -86,28 +116,6 @@ def test_a_loaded_adapter_reaches_its_engine_slot(pair, tmp_path):
         assert gap(a.score(fixed, engine=True), saved) > 1e-3
         a.load(tmp_path / "a")
         assert gap(a.score(fixed, engine=True), saved) < PARITY and gap(a.score(fixed), saved) == 0
-
-
-def test_an_adapter_on_the_output_head_samples_as_its_learner_and_its_engine_refuses_to_score():
-    agent = AgentConfig(model="builtin:tiny", dtype="float32", optimizer={"lr": 1e-2}, rollout=VLLM,
-                        generation={"max_completion_length": 6}, adapter={**LORA, "target_modules": ["q_proj", "lm_head"]})
-    trainer = AdapterTrainer("h", agent, AlgorithmConfig())
-    try:
-        with torch.no_grad():  # B = 0 would leave the head's adapter out of the sum
-            for p in trainer.shared.parts("h")[0].values():
-                p.normal_(0, 0.05)
-        trainer.engine.sync(trainer.model)
-        with trainer.selected():
-            result = trainer.generate(GenerateRequest(prompts=["Say a", "Say b"] * 2, seed=0))
-            experiences = [Experience.from_completion(c, 0.0) for c in result.completions]
-            learner = trainer.per_token_logps(experiences)
-            assert gap(learner, [c.per_token_logps for c in result.completions]) < PARITY
-            with trainer.model.disable_adapter():
-                assert gap(learner, trainer.per_token_logps(experiences)) > 1e-2  # the adapter counts
-            with pytest.raises(ValueError, match="adapter on the output head"):
-                trainer.score(experiences, engine=True)
-    finally:
-        trainer.close()
 
 
 def test_a_sync_writes_the_adapter_elsewhere_where_shared_memory_refuses_it_and_leaves_nothing(pair, tmp_path,
