@@ -186,10 +186,10 @@ class AdapterTrainer(AgentTrainer):
             slots = shared.engine_slots or AdapterSlots(rank=adapter_rank(agent), count=1,
                                                         targets=adapter_targets(agent))
             shared.vllm = HostEngine(replace(slots, targets=resolved_targets(slots.targets, self.model)))
-        saved = saved_names(self.shared.parts(self.name)[0], self.name)
+        saved = saved_names(shared.parts(self.name)[0], self.name)
         view = shared.vllm.view(adapter_name(self.name),
                                 lambda slots: make_engine(agent, self.model, adapters=slots, **kwargs),
-                                weights=lambda: {saved[n]: p for n, p in self.shared.parts(self.name)[0].items()})
+                                weights=lambda: {saved[n]: p for n, p in shared.parts(self.name)[0].items()})
         try:
             view.sync(self.model)
         except BaseException:

@@ -253,13 +253,13 @@ class VLLMEngine:
 
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], lora=None) -> list[list[float]]:
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
         from vllm.platforms import current_platform
 
         if lora is not None and self.head_adapted and current_platform.is_cpu():
             raise ValueError("the vllm engine cannot score tokens with an adapter on the output head on CPU (vLLM's "
                              "LoRA head computes one row of logits per request); score with the learner "
                              "(engine: false), or adapt other modules")
-        from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p + c) for p, c in zip(prompt_ids, completion_ids)],

@@ -5,12 +5,12 @@ The host's first adapter agent that samples with vLLM builds the engine (`engine
 through an `AdapterView` of it, which names the agent's adapter in every request (vLLM's multi-LoRA), so the host's
 agents never sample with each other's adapter. The engine closes with the last view.
 
-- **Weight sync.** The base never trains, so a sync moves only the agent's adapter: its tensors under the names
-  peft saves them by (`adapters.saved_names`, found once) and its `adapter_config.json` go to a fresh directory (in /dev/shm where
-  the node has one and it has room, else the temporary directory), vLLM loads them into the agent's slot at once, replacing the version it held
-  (`LoRARequest.load_inplace`), and the directory is removed. The prefix cache is then reset: its KV blocks were
-  computed with the old adapter. An adapter vLLM cannot serve (a module it does not adapt, DoRA) fails at the
-  view's first sync, which is at start.
+- **Weight sync.** The base never trains, so a sync moves only the agent's adapter: its tensors, under the names
+  peft saves them by (`adapters.saved_names`, found once), and its `adapter_config.json` go to a fresh directory
+  (in /dev/shm where the node has one with room, else the temporary directory); vLLM loads them into the agent's
+  slot at once, replacing the version it held (`LoRARequest.load_inplace`), and the directory is removed. The
+  prefix cache is then reset: its KV blocks were computed with the old adapter. An adapter vLLM cannot serve (a
+  module it does not adapt, DoRA) fails at the view's first sync, which is at start.
 - **Precision.** vLLM computes the adapter in the base's dtype (its `lora_dtype: auto`); the learner keeps it in
   float32. With a float32 base the two agree to float rounding; with a bfloat16 one the gap is the engine's
   usual one, which the update's importance weights (`rollout.tis_cap`) correct.

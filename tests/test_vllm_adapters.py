@@ -27,7 +27,8 @@ def test_an_adapter_on_the_output_head_samples_as_its_learner_and_its_engine_ref
     """First in the module: vLLM keeps one parallel state per process, and closing a LoRA engine while another
     serves in the same process breaks the other (vLLM 0.32), so this engine goes before `pair` starts."""
     agent = AgentConfig(model="builtin:tiny", dtype="float32", optimizer={"lr": 1e-2}, rollout=VLLM,
-                        generation={"max_completion_length": 6}, adapter={**LORA, "target_modules": ["q_proj", "lm_head"]})
+                        generation={"max_completion_length": 6},
+                        adapter={**LORA, "target_modules": ["q_proj", "lm_head"]})
     trainer = AdapterTrainer("h", agent, AlgorithmConfig())
     try:
         with torch.no_grad():  # B = 0 would leave the head's adapter out of the sum
@@ -84,7 +85,8 @@ def test_each_agent_samples_with_its_own_adapter_and_an_update_reaches_only_its_
                 # the behaviour log-probs are the learner's: the engine sampled with this agent's adapter
                 experiences = [Experience.from_completion(c, adv)
                                for c, adv in zip(result.completions, [1.0, -1.0, 0.5, -0.5] * 2)]
-                assert gap(trainer.per_token_logps(experiences), [c.per_token_logps for c in result.completions]) < PARITY
+                behaviour = [c.per_token_logps for c in result.completions]
+                assert gap(trainer.per_token_logps(experiences), behaviour) < PARITY
             with other.selected():
                 other_before = other.score(fixed, engine=True)
             with trainer.selected(updating=True):

@@ -97,13 +97,14 @@ def hosts_problem(config: RunConfig) -> str | None:
 
 
 def adapter_problem(name: str, agent: AgentConfig) -> str | None:
-    """Why agent `name`'s adapter cannot be as set (with vLLM's sleep mode or above its largest rank, beside a saved adapter's own settings, on several
-    workers, under a dotted name), naming the keys and the fix, or None."""
-    if agent.adapter is not None and agent.rollout.engine == "vllm" and agent.rollout.vllm.sleep_mode:
+    """Why agent `name`'s adapter cannot be as set (with vLLM's sleep mode or above vLLM's largest rank, beside a
+    saved adapter's own settings, on several workers, under a dotted name), naming the keys and the fix, or None."""
+    vllm = agent.adapter is not None and agent.rollout.engine == "vllm"
+    if vllm and agent.rollout.vllm.sleep_mode:
         return (f"agents.{name}.rollout.vllm.sleep_mode: an adapter agent's vllm engine keeps its base through the "
                 f"updates (only the adapter is sent again), so it cannot discard its weights; set "
                 f"agents.{name}.rollout.vllm.sleep_mode: false")
-    if agent.adapter is not None and agent.rollout.engine == "vllm" and agent.adapter.rank > VLLM_MAX_LORA_RANK:
+    if vllm and agent.adapter.rank > VLLM_MAX_LORA_RANK:
         return (f"agents.{name}.adapter.rank: {agent.adapter.rank}, but the vllm engine serves LoRA ranks up to "
                 f"{VLLM_MAX_LORA_RANK}; lower agents.{name}.adapter.rank or set agents.{name}.rollout.engine: hf")
     if agent.adapter is not None and agent.adapter.path is not None and agent.adapter.overridden():
