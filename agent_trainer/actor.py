@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from agent_trainer import reaper
+from agent_trainer import priority, reaper
 from agent_trainer.agent import Agent
 from agent_trainer.dispatch import Publish, WorkersDisagree, declaration_of
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool, TrainerStartError
@@ -146,12 +146,14 @@ class _TrainerActor:
     """Holds one host (`agent_trainer.hosts.Host`): its agents' trainers; Ray pins it to its bundle, and
     CUDA_VISIBLE_DEVICES to its GPU."""
 
-    def __init__(self, host, config, plan, updates, threads, forwarded: ForwardedEnv | None = None, nice: int = 0):
-        """`nice`: raise the process's niceness by this much first (an engine apart: `RunPlan.engine_niceness`)."""
+    def __init__(self, host, config, plan, updates, threads, forwarded: ForwardedEnv | None = None,
+                 nice: int | str = 0):
+        """`nice`: lower the process's priority by this first (an engine apart: `RunPlan.engine_niceness`, an added
+        niceness or `idle`, `agent_trainer.priority`)."""
         if forwarded is not None:
             forwarded.apply()  # before anything reads the environment (the store's client, the model hub's)
         if nice:
-            os.nice(nice)
+            priority.lower(nice)
         started = time.perf_counter()
         import torch
 
@@ -229,7 +231,7 @@ class _TrainerActor:
         """Per agent of this host: its process, node, device, precision (`agent_trainer.precision.Precision` as a
         dict) and engine, the seconds this actor took to start and those its model took to load (the start error,
         if any, under "")."""
-        common = {"pid": os.getpid(), "nice": os.nice(0), "error": self.error, "start_s": self.start_s,
+        common = {"pid": os.getpid(), **priority.current(), "error": self.error, "start_s": self.start_s,
                   "node": ray.get_runtime_context().get_node_id(),
                   "node_label": self.node, "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                   "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}

@@ -6,8 +6,8 @@ a core), with the step's generate, update and overlapped seconds.
                                     [--cases simultaneous:colocated:0,...] [--dtype float32] [--adapters RANK]
 
 `--cases`: the runs, each SCHEDULE:PLACEMENT:K (default: both schedules, each placement, K 0 and 1), a separate one
-optionally SCHEDULE:separate:K:NICE (the engines' `rollout.nice`; default `auto`, 10 on CPU). The last line
-compares the last case with the first: `separate / colocated s/step: R` when they are `alternate:separate:1` and
+optionally SCHEDULE:separate:K:NICE (the engines' `rollout.nice`, 0-19 or idle; default `auto`: idle on CPU).
+The last line compares the last case with the first: `separate / colocated s/step: R` when they are `alternate:separate:1` and
 `alternate:colocated:0`, the target setting of separate engines (`--engine vllm`, SmolLM2). `--adapters RANK`: the
 two agents are adapter agents of one shared host instead, its engine colocated (the host's process, 2 cores) or one
 engine apart serving both adapters (host and engine 1 core each).
@@ -32,7 +32,7 @@ from protocols.config import validate_config  # noqa: E402
 from tests.envs import config  # noqa: E402
 
 
-def run(placement: str, k: int, kind: str, args, nice: int | None = None) -> tuple[float, str]:
+def run(placement: str, k: int, kind: str, args, nice: int | str | None = None) -> tuple[float, str]:
     raw = config(turns=2, ray=True, train={"steps": args.steps, "max_staleness": k, "batch_size": 4,
                                             "num_generations": 4}, schedule={"kind": kind})
     share = 1.0 if args.adapters else 0.5  # of the 2 cores: a host and its engine apart, or two agents' hosts
@@ -88,7 +88,8 @@ def main() -> None:
                 x.isdigit() for x in case[2:]) or (len(case) == 4 and case[1] != "separate"):
             parser.error(f"--cases: {':'.join(case)!r} is not SCHEDULE:colocated|separate:K or "
                          "SCHEDULE:separate:K:NICE")
-    cases = [(kind, placement, int(k), *(int(n) for n in nice)) for kind, placement, k, *nice in cases]
+    cases = [(kind, placement, int(k), *(n if n == "idle" else int(n) for n in nice))
+             for kind, placement, k, *nice in cases]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     agents = f"two adapter agents (rank {args.adapters}) on one host" if args.adapters else "two agents"

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from agent_trainer.agent import Agent
 from agent_trainer.handle import TrainerFailure, TrainerPool
 from agent_trainer.precision import emulation_warning
+from agent_trainer.priority import described
 from agent_trainer.storage import StorageError
 from orchestrator.console import phase, say
 from orchestrator.runlog import RunLog
@@ -73,10 +74,10 @@ class Session:
         self.say_precision()
         transfers = {a: i["weight_transfer"] for a, i in info.items() if "weight_transfer" in i}
         if transfers:
-            nice = {a: (info[a]["rollout_engine"]["nice"], info[a]["nice"]) for a in transfers}
+            ranks = {a: (described(info[a]["rollout_engine"]), described(info[a])) for a in transfers}
             print("marsi: weights to the rollout engines apart: " + "; ".join(
-                f"{a} by {t}" + (f" (engine at niceness {nice[a][0]}, its learner at {nice[a][1]})"
-                                 if nice[a][0] != nice[a][1] else "") for a, t in transfers.items()), flush=True)
+                f"{a} by {t}" + (f" (engine {ranks[a][0]}, its learner {ranks[a][1]})"
+                                 if ranks[a][0] != ranks[a][1] else "") for a, t in transfers.items()), flush=True)
         if self.log is not None and not self.resuming:
             self.log.write_config(self.config)
             self.log.snapshot_sources([self.config.environment.name, self.config.data.factory])

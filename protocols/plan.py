@@ -44,8 +44,9 @@ class RunPlan:
     engine_resources: dict[str, ResourcesConfig]
     """Host name (of `engine_layout`) -> what its engine process asks of the cluster: `rollout.resources`, else the
     host's per-worker resources, in one process."""
-    engine_niceness: dict[str, int]
-    """Host name (of `engine_layout`) -> its engine process's niceness (`rollout.nice`; `engine_niceness`)."""
+    engine_niceness: dict[str, int | str]
+    """Host name (of `engine_layout`) -> how its engine process lowers its priority: an added niceness or `idle`
+    (`rollout.nice`; `engine_niceness`)."""
 
 
 def plan_of(config: RunConfig) -> RunPlan:

@@ -291,7 +291,7 @@ def test_a_shared_hosts_agents_have_one_engine_apart_on_its_rollout_resources():
     plan = plan_of(validate_config(raw))
     assert plan.engine_layout == {"h": list(AGENTS)}
     assert plan.engine_resources["h"].num_cpus == 0.25 and plan.host_resources["h"].num_cpus == 0.5
-    assert plan.engine_niceness == {"h": 10}  # auto, without a GPU
+    assert plan.engine_niceness == {"h": "idle"}  # auto, without a GPU
     for name in AGENTS:
         del raw["agents"][name]["rollout"]["resources"]
     assert plan_of(validate_config(raw)).engine_resources["h"].num_cpus == 0.5  # none given: the host's
@@ -301,7 +301,7 @@ def test_a_shared_hosts_agents_have_one_engine_apart_on_its_rollout_resources():
     for bad in (20, -1, True, "high"):
         raw["agents"]["c"]["rollout"]["nice"] = bad
         with pytest.raises(ConfigError, match=r"agents\.c\.rollout\.nice: Input should be an integer from 0 to "
-                                              r"19, or auto"):
+                                              r"19, auto or idle"):
             validate_config(raw)
 
 
@@ -327,7 +327,8 @@ def test_one_engine_apart_serves_every_adapter_of_a_shared_host_and_samples_as_t
                 pool, info = coord.pool, coord.pool.info()
                 assert len({info[a]["rollout_engine"]["pid"] for a in AGENTS}) == 1  # one engine for the three
                 assert info["a"]["rollout_engine"]["pid"] != info["a"]["pid"]
-                assert info["a"]["rollout_engine"]["nice"] == min(19, info["a"]["nice"] + 10)  # auto, on CPU: 10
+                engine = info["a"]["rollout_engine"]  # auto, on CPU: the idle class
+                assert (engine["scheduler"], info["a"]["scheduler"]) == ("idle", "normal")
                 assert all(pool.start_info[a]["weight_transfer"] == "a gloo group with its learner, into shared "
                            "memory on their node" for a in AGENTS)
                 learned = digests(coord)

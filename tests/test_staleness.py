@@ -441,3 +441,45 @@ def test_where_no_process_group_forms_the_weights_go_through_the_object_store_an
     assert said.startswith("Ray's object store (no process group could be formed: ") and "marsi-no-such-interface" in said
     assert [r["step"] for r in rows_] == [1, 2]
     assert f"marsi: weights to the rollout engines apart: a by {said}" in capsys.readouterr().out
+
+
+_LOWERED = """
+import json, os, threading
+from agent_trainer import priority
+started = threading.Event()
+stop = threading.Event()
+thread = threading.Thread(target=lambda: (started.set(), stop.wait()))
+thread.start()
+started.wait()
+before = {t: os.getpriority(os.PRIO_PROCESS, t) for t in priority._threads()}
+priority.lower(SETTING)
+after = {t: (os.getpriority(os.PRIO_PROCESS, t), os.sched_getscheduler(t) == os.SCHED_IDLE) for t in before}
+born = []
+late = threading.Thread(target=lambda: born.append((os.getpriority(os.PRIO_PROCESS, 0),
+                                                   os.sched_getscheduler(0) == os.SCHED_IDLE)))
+late.start(); late.join(); stop.set(); thread.join()
+print(json.dumps({"before": list(before.values()), "after": list(after.values()), "born": born[0],
+                  "current": priority.current()}))
+"""
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("setting", [3, "idle"])
+def test_an_engine_lowers_every_thread_of_its_process_and_the_threads_it_starts_after(setting):
+    """Linux keeps niceness and scheduling class per thread: `priority.lower` sets the threads that exist (here the
+    main one and a waiting one), and a thread started afterwards inherits it."""
+    import json
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", _LOWERED.replace("SETTING", repr(setting))], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parent.parent).stdout
+    got = json.loads(out)
+    assert len(got["after"]) >= 2
+    if setting == "idle":
+        assert [list(a) for a in got["after"]] == [[b, True] for b in got["before"]]  # the class, niceness kept
+        assert got["born"] == [got["before"][0], True] and got["current"]["scheduler"] == "idle"
+    else:
+        assert [list(a) for a in got["after"]] == [[min(19, b + 3), False] for b in got["before"]]
+        assert got["born"] == [min(19, got["before"][0] + 3), False]
+        assert got["current"] == {"nice": min(19, got["before"][0] + 3), "scheduler": "normal"}

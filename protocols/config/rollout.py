@@ -78,12 +78,13 @@ class RolloutConfig(_Strict):
     buckets; Ray's object store where no group can be formed (said at start). The engine then holds one version at
     a time, so with `train.max_staleness` above 1 an update waits for the rollouts that draw with the weights before
     it. `store`: each version the learner publishes, through Ray's object store."""
-    nice: int | Literal["auto"] = "auto"
-    """`placement: separate`: the niceness the engine process adds to its own as it starts, 0 to 19 (higher: it
-    yields the cores it shares with its learner; the system caps niceness at 19, and Ray starts its workers at 15,
-    its `worker_niceness`, so there the engine ends at most 4 above its learner). `auto`: 10 for an engine without
-    a GPU, whose work is the rollouts of later steps while its learner's update, the step's critical path, shares
-    the node's cores with it; 0 with a GPU (`engine_niceness`). The start line gives both processes' niceness."""
+    nice: int | Literal["auto", "idle"] = "auto"
+    """`placement: separate`: how the engine process yields the cores it shares with its learner, whose update is
+    the step's critical path while the engine plays later steps (`agent_trainer.priority`). An integer 0 to 19: the
+    niceness it adds to its own as it starts (the system caps niceness at 19, and Ray starts its workers at 15, its
+    `worker_niceness`, so there the engine ends at most 4 above its learner). `idle`: Linux's idle scheduling
+    class, in which it runs only on cores no other process wants. `auto`: `idle` for an engine without a GPU, 0
+    with one (`engine_niceness`). The start line gives both processes' priority."""
     max_staleness: int | None = Field(None, ge=0)
     """Most policy versions this agent's actions (and its partners' in the same episode) may be behind their
     learners when this agent's update uses them; staler ones are dropped and counted (`staleness/NAME/dropped`).
@@ -104,10 +105,10 @@ class RolloutConfig(_Strict):
     @field_validator("nice", mode="before")
     @classmethod
     def _nice(cls, value):
-        if value == "auto":
+        if value in ("auto", "idle"):
             return value
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
-            raise ValueError("Input should be an integer from 0 to 19, or auto")
+            raise ValueError("Input should be an integer from 0 to 19, auto or idle")
         return value
 
     @model_validator(mode="after")
@@ -216,9 +217,9 @@ def _shown(value):
     return value.model_dump(exclude_defaults=True) if hasattr(value, "model_dump") else value
 
 
-def engine_niceness(rollout: RolloutConfig, resources: ResourcesConfig) -> int:
-    """The niceness of an engine apart with `resources` (`RunPlan.engine_resources`): `rollout.nice`, where `auto` is
-    10 on CPU and 0 with a GPU."""
+def engine_niceness(rollout: RolloutConfig, resources: ResourcesConfig) -> int | str:
+    """How an engine apart with `resources` (`RunPlan.engine_resources`) lowers its priority: `rollout.nice`, where
+    `auto` is `idle` on CPU and 0 with a GPU."""
     if rollout.nice != "auto":
         return rollout.nice
-    return 10 if resources.num_gpus == 0 else 0
+    return "idle" if resources.num_gpus == 0 else 0
