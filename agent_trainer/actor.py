@@ -29,7 +29,7 @@ from agent_trainer.dispatch import Publish, WorkersDisagree, declaration_of
 from agent_trainer.handle import PlacementError, TrainerFailure, TrainerPool, TrainerStartError
 from agent_trainer.engines_apart import EnginesApart
 from agent_trainer.group import bundle_of, fit_problem, local_cluster_problem
-from protocols.config import RayConfig, RunConfig, joins_cluster
+from protocols.config import EnginePriority, RayConfig, RunConfig, joins_cluster
 from protocols.errors import describe, one_line
 from protocols.messages import ForwardedEnv
 from protocols.plan import RunPlan, plan_of
@@ -147,13 +147,12 @@ class _TrainerActor:
     CUDA_VISIBLE_DEVICES to its GPU."""
 
     def __init__(self, host, config, plan, updates, threads, forwarded: ForwardedEnv | None = None,
-                 nice: int | str = 0):
-        """`nice`: lower the process's priority by this first (an engine apart: `RunPlan.engine_niceness`, an added
-        niceness or `idle`, `agent_trainer.priority`)."""
+                 lowered: EnginePriority | None = None):
+        """`lowered`: lower the process's priority so first (an engine apart: `RunPlan.engine_priority`)."""
         if forwarded is not None:
             forwarded.apply()  # before anything reads the environment (the store's client, the model hub's)
-        if nice:
-            priority.lower(nice)
+        if lowered is not None:
+            priority.lower(lowered)
         started = time.perf_counter()
         import torch
 
@@ -411,7 +410,7 @@ class RayTrainers(EnginesApart, TrainerPool):
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.groups[-1],
                                                                      placement_group_bundle_index=bundle),
             ).remote(host, engine, engine_plan(engine), updates, num_threads(r.num_cpus), forwarded,
-                      plan.engine_niceness[host])))
+                      plan.engine_priority[host])))
         self.engines_apart = set(self.engines)
         self._start_engines_apart()
         self.housemates = {agent: agents for agents in layout.values() for agent in agents}

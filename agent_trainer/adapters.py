@@ -107,6 +107,7 @@ def adapter_rank(agent: AgentConfig) -> int:
         saved = json.loads((Path(settings.path) / "adapter_config.json").read_text())
     except (OSError, ValueError):  # attaching it says what is wrong with it
         return settings.rank
+    # peft's default rank where the file gives none
     return max([int(saved.get("r", 8)), *map(int, (saved.get("rank_pattern") or {}).values())])
 
 
@@ -119,6 +120,15 @@ def adapter_targets(agent: AgentConfig) -> tuple[str, ...]:
         except (OSError, ValueError, KeyError):  # attaching it says what is wrong with it
             return ("all-linear",)
     return (targets,) if isinstance(targets, str) else tuple(targets)
+
+
+def engine_slots(agents: list[AgentConfig]):
+    """The LoRA slots (`engine_vllm.AdapterSlots`) of a vLLM engine serving the adapters of `agents`: one each, of
+    their largest rank, on every module any of them adapts."""
+    from agent_trainer.engine_vllm import AdapterSlots
+
+    return AdapterSlots(rank=max(adapter_rank(a) for a in agents), count=len(agents),
+                        targets=tuple(sorted({t for a in agents for t in adapter_targets(a)})))
 
 
 def resolved_targets(targets: tuple[str, ...], model) -> tuple[str, ...]:
@@ -178,13 +188,11 @@ class AdapterTrainer(AgentTrainer):
         starts with the base alone and so takes the agent's adapter at once; any other engine as a full agent's."""
         if agent.rollout.engine != "vllm" or agent.rollout.placement == "separate":
             return super()._make_engine(agent, **kwargs)
-        from agent_trainer.engine_vllm import AdapterSlots
         from agent_trainer.engine_vllm_adapters import HostEngine
 
         shared = self.shared
         if shared.vllm is None:
-            slots = shared.engine_slots or AdapterSlots(rank=adapter_rank(agent), count=1,
-                                                        targets=adapter_targets(agent))
+            slots = shared.engine_slots or engine_slots([agent])
             shared.vllm = HostEngine(replace(slots, targets=resolved_targets(slots.targets, self.model)))
         saved = saved_names(shared.parts(self.name)[0], self.name)
         view = shared.vllm.view(adapter_name(self.name),

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from agent_trainer.adapters import AdapterTrainer, SharedBase, adapter_rank, adapter_targets
+from agent_trainer.adapters import AdapterTrainer, SharedBase, engine_slots
 from agent_trainer.agent import Agent, Served
 from agent_trainer.critic import Critic
 from agent_trainer.critic_trainer import CriticTrainer
@@ -36,7 +36,7 @@ class Host:
         self.name = host
         self.agents = plan.member_layout[host]
         indices = {name: i for i, name in enumerate(config.agents)}  # seeds follow the declaration order
-        base = (SharedBase(engine_slots=engine_slots(config, [a for a in self.agents if a in indices]))
+        base = (SharedBase(engine_slots=host_engine_slots(config, [a for a in self.agents if a in indices]))
                 if any(config.agents[a].adapter is not None for a in self.agents if a in indices) else None)
         self.trainers: dict[str, Any] = {}
         self.served: dict[str, Served] = {}
@@ -55,17 +55,12 @@ class Host:
         return method(self.served[member], *args)
 
 
-def engine_slots(config: RunConfig, agents: list[str]):
-    """The LoRA slots of the vLLM engine that a host's adapter `agents` sampling with vLLM in the host share
-    (`engine_vllm.AdapterSlots`: one per such agent, of their largest rank), or None where none does."""
-    users = [a for a in agents if config.agents[a].adapter is not None and config.agents[a].rollout.engine == "vllm"
-             and config.agents[a].rollout.placement == "colocated"]
-    if not users:
-        return None
-    from agent_trainer.engine_vllm import AdapterSlots
-
-    return AdapterSlots(rank=max(adapter_rank(config.agents[a]) for a in users), count=len(users),
-                        targets=tuple(sorted({t for a in users for t in adapter_targets(config.agents[a])})))
+def host_engine_slots(config: RunConfig, agents: list[str]):
+    """The LoRA slots (`adapters.engine_slots`) of the vLLM engine that a host's adapter `agents` sampling with vLLM
+    in the host share, or None where none does."""
+    users = [config.agents[a] for a in agents if config.agents[a].adapter is not None
+             and config.agents[a].rollout.engine == "vllm" and config.agents[a].rollout.placement == "colocated"]
+    return engine_slots(users) if users else None
 
 
 def start_critic(name: str, config: RunConfig, plan: RunPlan, trainers: dict[str, Any]):

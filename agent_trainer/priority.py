@@ -1,11 +1,11 @@
 """How a rollout engine apart yields the cores it shares with its learner (`rollout.nice`,
-`RunPlan.engine_niceness`).
+`RunPlan.engine_priority`, an `EnginePriority`).
 
 Linux keeps a thread's niceness and scheduling class per thread, and a new thread starts with its creator's.
 `lower` sets every thread the process has when it is called, so the thread that later runs the engine's calls (Ray
 runs an actor's calls on a thread of its own) and every thread those start are lowered too.
 
-- **An integer n**: n added to the niceness, which the system caps at 19. Ray starts its workers at 15, so an
+- **`niceness` n**: n added to the niceness, which the system caps at 19. Ray starts its workers at 15, so an
   engine there ends at most 4 below its learner, and the learner's update still yields it a share of a core
   (measured: 7-14% slower than alone, benchmarks/RESULTS.md).
 - **`idle`**: Linux's idle scheduling class (SCHED_IDLE): the engine runs on the cores no other thread of normal
@@ -16,6 +16,10 @@ runs an actor's calls on a thread of its own) and every thread those start are l
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from protocols.config import EnginePriority
 
 
 def _threads() -> list[int]:
@@ -26,13 +30,10 @@ def _threads() -> list[int]:
         return [0]
 
 
-def lower(setting: int | str) -> None:
-    """Lower this process's priority by `setting` (an added niceness, or `idle`), every thread of it."""
-    if setting != "idle":
-        idle, added = False, int(setting)
-    else:  # the idle class, or the lowest niceness where there is none
-        idle = hasattr(os, "SCHED_IDLE")
-        added = 0 if idle else 19
+def lower(setting: EnginePriority) -> None:
+    """Lower this process's priority as `setting` says, every thread of it."""
+    idle = setting.idle and hasattr(os, "SCHED_IDLE")
+    added = 19 if setting.idle and not idle else setting.niceness  # no idle class: the lowest niceness
     for thread in _threads():
         try:
             if added:

@@ -84,10 +84,10 @@ def main() -> None:
         parser.error(f"--steps {args.steps}: at least 8 (steps 4 .. N-2 are timed)")
     cases = [c.split(":") for c in args.cases.split(",")]
     for case in cases:
-        if len(case) not in (3, 4) or case[1] not in ("colocated", "separate") or not all(
-                x.isdigit() for x in case[2:]) or (len(case) == 4 and case[1] != "separate"):
+        if len(case) not in (3, 4) or case[1] not in ("colocated", "separate") or not case[2].isdigit() or (
+                len(case) == 4 and (case[1] != "separate" or not (case[3].isdigit() or case[3] == "idle"))):
             parser.error(f"--cases: {':'.join(case)!r} is not SCHEDULE:colocated|separate:K or "
-                         "SCHEDULE:separate:K:NICE")
+                         "SCHEDULE:separate:K:NICE (NICE 0-19 or idle)")
     cases = [(kind, placement, int(k), *(n if n == "idle" else int(n) for n in nice))
              for kind, placement, k, *nice in cases]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

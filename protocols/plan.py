@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from protocols.config import (
     CriticConfig, ResourcesConfig, RunConfig, agent_resources, critic_host_agent, critic_members, critic_settings,
-    engine_cache_sizes, engine_niceness, host_layout, host_resources, member_layout,
+    EnginePriority, engine_cache_sizes, engine_priority, host_layout, host_resources, member_layout,
 )
 
 
@@ -44,9 +44,9 @@ class RunPlan:
     engine_resources: dict[str, ResourcesConfig]
     """Host name (of `engine_layout`) -> what its engine process asks of the cluster: `rollout.resources`, else the
     host's per-worker resources, in one process."""
-    engine_niceness: dict[str, int | str]
-    """Host name (of `engine_layout`) -> how its engine process lowers its priority: an added niceness or `idle`
-    (`rollout.nice`; `engine_niceness`)."""
+    engine_priority: dict[str, EnginePriority]
+    """Host name (of `engine_layout`) -> how its engine process lowers its priority (`rollout.nice`;
+    `engine_priority`)."""
 
 
 def plan_of(config: RunConfig) -> RunPlan:
@@ -68,7 +68,7 @@ def plan_of(config: RunConfig) -> RunPlan:
         engine_cache_sizes=engine_cache_sizes(config),
         engine_layout=apart,
         engine_resources=engines,
-        engine_niceness={host: engine_niceness(config.agents[agents[0]].rollout, engines[host])
+        engine_priority={host: engine_priority(config.agents[agents[0]].rollout, engines[host])
                          for host, agents in apart.items()},
     )
 

@@ -16,7 +16,7 @@ from agent_trainer.models import resolve_model_path
 from orchestrator.coordinator import Coordinator
 from orchestrator.runlog import RunLog
 from orchestrator.steplog import computed
-from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, validate_config
+from protocols.config import AgentConfig, AlgorithmConfig, ConfigError, EnginePriority, validate_config
 from protocols.messages import Experience, LoadRequest, Location, ScoreRequest, UpdateRequest
 from protocols.plan import plan_of
 from tests.loops import say_the_letter_curve
@@ -291,7 +291,7 @@ def test_a_shared_hosts_agents_have_one_engine_apart_on_its_rollout_resources():
     plan = plan_of(validate_config(raw))
     assert plan.engine_layout == {"h": list(AGENTS)}
     assert plan.engine_resources["h"].num_cpus == 0.25 and plan.host_resources["h"].num_cpus == 0.5
-    assert plan.engine_niceness == {"h": "idle"}  # auto, without a GPU
+    assert plan.engine_priority == {"h": EnginePriority(idle=True)}  # auto, without a GPU
     for name in AGENTS:
         del raw["agents"][name]["rollout"]["resources"]
     assert plan_of(validate_config(raw)).engine_resources["h"].num_cpus == 0.5  # none given: the host's

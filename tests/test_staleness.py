@@ -446,13 +446,14 @@ def test_where_no_process_group_forms_the_weights_go_through_the_object_store_an
 _LOWERED = """
 import json, os, threading
 from agent_trainer import priority
+from protocols.config import EnginePriority
 started = threading.Event()
 stop = threading.Event()
 thread = threading.Thread(target=lambda: (started.set(), stop.wait()))
 thread.start()
 started.wait()
 before = {t: os.getpriority(os.PRIO_PROCESS, t) for t in priority._threads()}
-priority.lower(SETTING)
+priority.lower(EnginePriority(**SETTING))
 after = {t: (os.getpriority(os.PRIO_PROCESS, t), os.sched_getscheduler(t) == os.SCHED_IDLE) for t in before}
 born = []
 late = threading.Thread(target=lambda: born.append((os.getpriority(os.PRIO_PROCESS, 0),
@@ -464,7 +465,7 @@ print(json.dumps({"before": list(before.values()), "after": list(after.values())
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("setting", [3, "idle"])
+@pytest.mark.parametrize("setting", [{"niceness": 3}, {"idle": True}])
 def test_an_engine_lowers_every_thread_of_its_process_and_the_threads_it_starts_after(setting):
     """Linux keeps niceness and scheduling class per thread: `priority.lower` sets the threads that exist (here the
     main one and a waiting one), and a thread started afterwards inherits it."""
@@ -476,7 +477,7 @@ def test_an_engine_lowers_every_thread_of_its_process_and_the_threads_it_starts_
                          text=True, check=True, cwd=Path(__file__).resolve().parent.parent).stdout
     got = json.loads(out)
     assert len(got["after"]) >= 2
-    if setting == "idle":
+    if setting.get("idle"):
         assert [list(a) for a in got["after"]] == [[b, True] for b in got["before"]]  # the class, niceness kept
         assert got["born"] == [got["before"][0], True] and got["current"]["scheduler"] == "idle"
     else:

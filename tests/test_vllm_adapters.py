@@ -3,6 +3,8 @@ host serves the base once and each agent's LoRA adapter (multi-LoRA), colocated 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
 import torch
@@ -132,6 +134,8 @@ def test_a_sync_writes_the_adapter_elsewhere_where_shared_memory_refuses_it_and_
     spare.mkdir()
     monkeypatch.setattr(engine_vllm_adapters, "_FOLDERS", (str(full), None))
     monkeypatch.setattr(tempfile, "tempdir", str(spare))
+    made, mkdtemp = [], tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **kw: made.append(mkdtemp(*a, **kw)) or made[-1])
     with a.selected():
         fixed = fixed_sequence(a)
         with torch.no_grad():
@@ -140,6 +144,8 @@ def test_a_sync_writes_the_adapter_elsewhere_where_shared_memory_refuses_it_and_
         assert gap(a.score(fixed, engine=True), a.score(fixed)) > 1e-4
         a.engine.sync(a.model)
         assert gap(a.score(fixed, engine=True), a.score(fixed)) < PARITY
+    made = [m for m in made if os.path.basename(m).startswith("marsi-adapter-")]
+    assert len(made) == 1 and made[0].startswith(str(spare))  # /dev/shm's stand-in refused, the fallback took it
     assert list(spare.iterdir()) == []
 
 

@@ -31,7 +31,7 @@ from protocols.config.hosts import (
 )
 from protocols.config.loading import apply_overrides, load_config, validate_config
 from protocols.config.rollout import (
-    RolloutConfig, VLLMConfig, engine_cache_sizes, engine_niceness, rollout_problem, separate_engine_problem,
+    RolloutConfig, VLLMConfig, EnginePriority, engine_cache_sizes, engine_priority, rollout_problem, separate_engine_problem,
     tis_cap_of,
 )
 from protocols.config.run import CROSS_CHECKS, RunConfig, stored_form
@@ -44,7 +44,7 @@ __all__ = [
     "RolesConfig", "RolloutConfig", "RunConfig", "ScheduleConfig", "TrainConfig", "VLLMConfig", "adapter_problem",
     "agent_resources", "agents_problem", "algorithm_problem", "apply_overrides", "attempts_value_problem",
     "credentials_problem", "critic_host_agent", "critic_members", "critic_problem", "critic_settings", "engine_cache_sizes",
-    "engine_niceness", "engine_settings_problem", "eval_problem", "host_layout", "host_resources", "hosts_problem",
+    "EnginePriority", "engine_priority", "engine_settings_problem", "eval_problem", "host_layout", "host_resources", "hosts_problem",
     "joins_cluster", "label_matches", "label_selector_problem", "load_config", "member_layout",
     "placement_strategy_problem", "roles_problem", "rollout_problem", "rotation_groups_problem", "schedule_problem",
     "separate_engine_problem", "storage_problem", "stored_form", "tis_cap_of", "unknown_agent", "validate_config",

@@ -3,6 +3,7 @@ where it runs, and how stale its actions may be."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -84,7 +85,7 @@ class RolloutConfig(_Strict):
     niceness it adds to its own as it starts (the system caps niceness at 19, and Ray starts its workers at 15, its
     `worker_niceness`, so there the engine ends at most 4 above its learner). `idle`: Linux's idle scheduling
     class, in which it runs only on cores no other process wants. `auto`: `idle` for an engine without a GPU, 0
-    with one (`engine_niceness`). The start line gives both processes' priority."""
+    with one (`engine_priority`). The start line gives both processes' priority."""
     max_staleness: int | None = Field(None, ge=0)
     """Most policy versions this agent's actions (and its partners' in the same episode) may be behind their
     learners when this agent's update uses them; staler ones are dropped and counted (`staleness/NAME/dropped`).
@@ -217,9 +218,18 @@ def _shown(value):
     return value.model_dump(exclude_defaults=True) if hasattr(value, "model_dump") else value
 
 
-def engine_niceness(rollout: RolloutConfig, resources: ResourcesConfig) -> int | str:
+@dataclass(frozen=True)
+class EnginePriority:
+    """How an engine apart lowers its process's priority as it starts (`agent_trainer.priority.lower`)."""
+
+    niceness: int = 0
+    """Added to the process's niceness (the system caps it at 19)."""
+    idle: bool = False
+    """Linux's idle scheduling class (SCHED_IDLE)."""
+
+
+def engine_priority(rollout: RolloutConfig, resources: ResourcesConfig) -> EnginePriority:
     """How an engine apart with `resources` (`RunPlan.engine_resources`) lowers its priority: `rollout.nice`, where
-    `auto` is `idle` on CPU and 0 with a GPU."""
-    if rollout.nice != "auto":
-        return rollout.nice
-    return "idle" if resources.num_gpus == 0 else 0
+    `auto` is `idle` on CPU and nothing with a GPU."""
+    nice = rollout.nice if rollout.nice != "auto" else "idle" if resources.num_gpus == 0 else 0
+    return EnginePriority(idle=True) if nice == "idle" else EnginePriority(niceness=nice)
