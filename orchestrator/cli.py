@@ -15,7 +15,7 @@ from pathlib import Path
 from orchestrator.checkpoint_files import checkpoint_path
 from orchestrator.export import cmd_export
 from protocols.config import RunConfig, agent_resources, critic_settings, load_config
-from protocols.errors import UserError, describe, one_line
+from protocols.errors import UserError, one_line
 
 
 class Parser(argparse.ArgumentParser):
