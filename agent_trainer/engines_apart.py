@@ -54,6 +54,10 @@ class EnginesApart:
             if config.agents[agent].rollout.weight_transfer != "group":
                 info[agent]["weight_transfer"] = "Ray's object store (rollout.weight_transfer: store)"
                 continue
+            if (gpu := shared_gpu(info[agent], info[agent]["rollout_engine"])) is not None:
+                info[agent]["weight_transfer"] = (f"Ray's object store (its learner and its rollout engine share GPU "
+                                                  f"{gpu}, and NCCL refuses two ranks on one device)")
+                continue
             learner, refs = self.workers[agent][0], []
             address = addresses[agent]
             try:
@@ -183,6 +187,15 @@ class EnginesApart:
             side, exc = next(iter(failed.items()))
             raise TrainerFailure(agent, "generate", f"{what} to its rollout engine failed on its {side}: "
                                  f"{describe(exc)}", True)
+
+
+def shared_gpu(learner: dict[str, Any], engine: dict[str, Any]) -> str | None:
+    """The GPU a learner and its engine apart both hold on one node (from their actors' `info`: fractions of one
+    GPU), or None: a weight channel between them cannot be an NCCL group."""
+    if learner["node"] != engine["node"]:
+        return None
+    both = sorted(set(learner.get("gpu_ids") or ()) & set(engine.get("gpu_ids") or ()))
+    return both[0] if both else None
 
 
 def _declared(method: Callable) -> str:
