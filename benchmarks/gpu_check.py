@@ -17,6 +17,9 @@ B. bfloat16 under autocast over float32 master weights: after one update every p
 C. `dtype: auto` on this GPU (bf16 native from compute capability 8.0) is decided by measuring this model's shapes.
 D. The optimizer state released between updates (`optimizer.offload: auto`, schedule-aware memory): device memory
    freed while it is in pinned CPU memory (fails below 80% of its size), and fetched back bit for bit.
+E. The weight channel between a learner and its engine apart over NCCL, each on a GPU of its own
+   (`benchmarks/gpu_channel.py`: transfer bit for bit, refusal, one bucket of extra memory, time against a copy
+   between the devices); skipped with fewer than 2 GPUs.
 With vLLM's GPU build installed (the `vllm-gpu` extra), also:
 
 1. fp32 engine (weights float32, no TF32): after each of two updates (the tied embedding changes), the
@@ -45,11 +48,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
 from agent_trainer.trainer import AgentTrainer  # noqa: E402
+from gpu_channel import check_weight_channel  # noqa: E402
 from protocols.config import AgentConfig, AlgorithmConfig  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
 
@@ -331,6 +336,7 @@ def main() -> None:
         ok &= check_bf16_update(args)
         ok &= check_auto_precision(args)
         ok &= check_optimizer_release(args)
+        ok &= check_weight_channel(argparse.Namespace(layers=30, repeats=args.repeats, cpu=args.cpu))
         if vllm is not None:
             ok &= check_sync(args)
             ok &= check_sleep_and_gap(args)

@@ -218,3 +218,32 @@ def test_a_dtype_the_channel_does_not_carry_is_refused_on_both_sides():
     out = _transfer(learner, engine, {"w": torch.ones(2, dtype=torch.complex64)}, {"w": torch.zeros(2)}, 0, 0)
     assert isinstance(out[0], ChannelRefused) and isinstance(out[1], ChannelRefused)
     assert "its learner's tensor w is torch.complex64, which the weight channel does not carry" in str(out[0])
+
+
+def test_two_processes_gpu_check_on_cpu():
+    """The GPU check of the channel (benchmarks/gpu_channel.py) run with gloo on CPU: two spawned processes of their
+    own (not two threads) form the channel; a transfer makes the engine's weights the learner's, bit for bit, and a
+    version the learner does not hold is refused on both sides."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_channel.py"
+    done = subprocess.run([sys.executable, str(script), "--cpu", "--layers", "2", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("   ok   ") == 2 and "gpu_channel: all checks passed" in done.stdout
+
+
+def test_a_learner_and_engine_sharing_one_gpu_get_no_nccl_group():
+    """NCCL refuses two ranks on one device: a learner and its engine apart holding fractions of one GPU on one node
+    take the object store (the start says why); separate GPUs, or separate nodes, may form the group."""
+    from agent_trainer.engines_apart import shared_gpu
+
+    def info(node, *gpus):
+        return {"node": node, "gpu_ids": list(gpus)}
+
+    assert shared_gpu(info("n1", "0"), info("n1", "0")) == "0"
+    assert shared_gpu(info("n1", "0", "1"), info("n1", "1")) == "1"
+    assert shared_gpu(info("n1", "0"), info("n1", "1")) is None
+    assert shared_gpu(info("n1", "0"), info("n2", "0")) is None  # GPU 0 of two nodes
+    assert shared_gpu(info("n1"), info("n1")) is None  # CPU: gloo
