@@ -16,9 +16,12 @@ Two agents, each run alone: a full model (every weight) and an adapter agent (Lo
 layer: only the adapter's tensors travel).
 
 The floor is one copy of the same tensors in one process (`dst.copy_(src)` for each, one thread, the destination
-written before so no page is new; a tied embedding once): the least a transfer of those bytes costs. Printed per agent and transfer:
-bytes, the median transfer, the median copy and their ratio. Last line: `weight transfer / one copy: full R,
-adapter R` for the group (the default), the object store's in brackets.
+written before so no page is new; a tied embedding once): the least a transfer of those bytes costs. Beside it,
+`calls`: the median of one call of nothing (Ray's `__ray_ready__`) to the learner and one to the engine, at once,
+the driver waiting for both, as `_send` waits for its pair: the least any transfer the driver starts costs,
+whatever its bytes. Printed per agent and transfer: tensors, bytes, the median transfer, the median copy, their
+ratio, and the calls. Last line: `weight transfer / one copy: full R, adapter R` for the group (the default), the
+object store's in brackets.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import ray  # noqa: E402
 import torch  # noqa: E402
 
 import bench_common as bc  # noqa: E402
@@ -90,9 +94,16 @@ def measure(model: str, adapter_rank: int | None, transfer: str, repeats: int) -
             pool._publish([agent], {agent: 0})
             pool._sync_engine(agent, 0)
             times.append(time.perf_counter() - start)
+        actors = [pool.workers[agent][0], pool.engines[agent]]
+        calls = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            ray.get([actor.__ray_ready__.remote() for actor in actors])
+            calls.append(time.perf_counter() - start)
         floor = copy_seconds(tensors, repeats)
     seconds = statistics.median(times[1:])  # the first pays for warming the store
-    return {"bytes": size, "tensors": len(tensors), "transfer": seconds, "copy": floor}
+    return {"bytes": size, "tensors": len(tensors), "transfer": seconds, "copy": floor,
+            "calls": statistics.median(calls[1:])}
 
 
 def main() -> None:
@@ -108,10 +119,10 @@ def main() -> None:
             for name, rank in (("full", None), ("adapter", args.rank)) for transfer in ("group", "store")}
     print(f"after: {bc.load_line()}")
     print(f"{'agent':8s} {'transfer':9s} {'tensors':>8s} {'MB':>9s} {'transfer s':>11s} {'one copy s':>11s} "
-          f"{'ratio':>7s}")
+          f"{'ratio':>7s} {'calls s':>8s}")
     for (name, transfer), r in rows.items():
         print(f"{name:8s} {transfer:9s} {r['tensors']:8d} {r['bytes'] / 1e6:9.1f} {r['transfer']:11.4f} "
-              f"{r['copy']:11.4f} {r['transfer'] / r['copy']:7.1f}")
+              f"{r['copy']:11.4f} {r['transfer'] / r['copy']:7.1f} {r['calls']:8.4f}")
     ratio = {key: r["transfer"] / r["copy"] for key, r in rows.items()}
     print("weight transfer / one copy: " + ", ".join(f"{n} {ratio[n, 'group']:.1f}" for n in ("full", "adapter"))
           + " (object store: " + ", ".join(f"{n} {ratio[n, 'store']:.1f}" for n in ("full", "adapter")) + ")")
