@@ -130,8 +130,8 @@ def check_weight_channel(args: argparse.Namespace) -> bool:
     """Parts 1-4 above; True when every check passed (or the check was skipped for want of a second GPU)."""
     backend = "gloo on CPU" if args.cpu else "NCCL"
     if not args.cpu and torch.cuda.device_count() < 2:
-        print(f"E. weight channel over NCCL: skipped ({torch.cuda.device_count()} GPU visible; it needs 2, one for "
-              "the learner and one for its engine)")
+        print(f"[E: weight channel over NCCL] skipped ({torch.cuda.device_count()} GPU visible; it needs 2, one "
+              "for the learner and one for its engine)")
         return True
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
     context = mp.get_context("spawn")
@@ -158,7 +158,7 @@ def check_weight_channel(args: argparse.Namespace) -> bool:
     errors += [f"rank {r} ended without a report (exit code {p.exitcode})" for r, p in enumerate(sides)
                if r not in reports]
     if errors:
-        print(f"E. weight channel over {backend}: FAILED, {'; '.join(errors)}")
+        print(f"[E: weight channel over {backend}] FAILED: {'; '.join(errors)}")
         return False
     learner, engine = reports[0], reports[1]
     ok = True
@@ -166,9 +166,9 @@ def check_weight_channel(args: argparse.Namespace) -> bool:
     def say(passed: bool, text: str) -> None:
         nonlocal ok
         ok &= passed
-        print(f"   {'ok  ' if passed else 'FAIL'} {text}")
+        print(f"[E] {'ok  ' if passed else 'FAIL'} {text}")
 
-    print(f"E. weight channel over {backend}, {learner['bytes'] / 1e6:.1f} MB float32 ({args.layers} layers):")
+    print(f"[E: weight channel over {backend}] {learner['bytes'] / 1e6:.1f} MB float32 ({args.layers} layers)")
     say(learner["before"] != engine["before"] and engine["after"] == learner["before"],
         "the engine's weights equal the learner's after a transfer (they differed before)")
     say("not refused" not in (learner["refused"], engine["refused"])
@@ -182,7 +182,7 @@ def check_weight_channel(args: argparse.Namespace) -> bool:
     floor = learner["copy_peer"]
     copies = (f"one copy in memory {floor * 1e3:.2f} ms" if args.cpu else
               f"one copy GPU 0 -> GPU 1 {floor * 1e3:.2f} ms, within GPU 0 {learner['copy_local'] * 1e3:.2f} ms")
-    print(f"   transfer {seconds * 1e3:.2f} ms; {copies}; transfer / copy {seconds / floor:.1f} (bound 2)")
+    print(f"[E] transfer {seconds * 1e3:.2f} ms; {copies}; transfer / copy {seconds / floor:.1f} (bound 2)")
     return ok
 
 

@@ -231,7 +231,7 @@ def test_two_processes_gpu_check_on_cpu():
     done = subprocess.run([sys.executable, str(script), "--cpu", "--layers", "2", "--repeats", "1"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("   ok   ") == 2 and "gpu_channel: all checks passed" in done.stdout
+    assert done.stdout.count("[E] ok   ") == 2 and "gpu_channel: all checks passed" in done.stdout
 
 
 def test_a_learner_and_engine_sharing_one_gpu_get_no_nccl_group():
