@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_channel.py [--layers 30] [--repeats 5] [--cpu]
 
-Part E of `gpu_check.py`, which runs it; alone it needs torch with CUDA only (no Ray, no vLLM, no model files).
+Part E of `gpu_check.py`, which runs it; alone it needs torch with CUDA and transformers only (no Ray, no vLLM, no
+pydantic, no model files).
 Two spawned processes, rank 0 (the learner, GPU 0) and rank 1 (the engine, GPU 1), form the channel
 (`agent_trainer.weight_channel.WeightChannel`) over a TCP store as a run's two actors do, each holding a model of
 SmolLM2-135M's shape (`--layers` of width 576, a tied embedding) with its own random weights, float32. Checked:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import queue
 import statistics
 import sys
@@ -71,10 +73,12 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None
     def transfer(version: int, holds: int):
         return channel.send(weights, version, holds) if rank == 0 else channel.receive(weights, version)
 
-    def digest() -> str:
-        from agent_trainer.trainer import weights_digest
-
-        return weights_digest(dict(unique(weights)))
+    def digest() -> str:  # SHA-256 of the names and bytes (not agent_trainer.trainer's: that imports pydantic)
+        h = hashlib.sha256()
+        for name, tensor in unique(weights):
+            h.update(name.encode())
+            h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     try:
         report["before"] = digest()
