@@ -39,7 +39,7 @@ demo: setup
 	$(BIN)/marsi run examples/demo/config.yaml
 
 test: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -n 2 -m fast

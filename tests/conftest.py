@@ -32,24 +32,10 @@ FAST_MODULES = {"test_config", "test_losses", "test_attention", "test_plot", "te
 """Modules whose tests train no model and start no Ray (a test that asks for `ray_cluster` excepted)."""
 
 
-HEAVY_FIRST = ("test_vllm", "test_staleness", "test_run_safety", "test_vllm_adapters", "test_cluster", "test_cli",
-               "test_adapters", "test_example_runs", "test_reliability", "test_workers", "test_examples",
-               "test_optimizer_release")
-"""The modules that take longest (40-200 s each on 2 cores), longest first. `make test` hands whole modules to its two
-workers in collection order (`--dist loadfile --no-loadscope-reorder`), so these go first and the short ones fill
-in behind them, rather than one long module running alone at the end. Only the suite's wall time depends on it."""
-
-
 def pytest_collection_modifyitems(items):
-    """The heavy modules first (`HEAVY_FIRST`; each module's tests keep their order), and the fast tier marked
-    (`make test-fast`, `pytest -m fast`): what needs no model training and no Ray."""
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-
-    def module_of(item) -> str:
-        return item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-
-    items.sort(key=lambda item: rank.get(module_of(item), len(rank)))  # stable: the rest as collected
+    """Mark the fast tier (`make test-fast`, `pytest -m fast`): what needs no model training and no Ray."""
     for item in items:
-        if (module_of(item) in FAST_MODULES and "ray_cluster" not in item.fixturenames
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if (module in FAST_MODULES and "ray_cluster" not in item.fixturenames
                 and not item.get_closest_marker("slow") and not item.get_closest_marker("subprocess")):
             item.add_marker(pytest.mark.fast)
