@@ -467,13 +467,18 @@ class RayTrainers(EnginesApart, TrainerPool):
         refs = {}  # ref -> (agent, worker rank)
         for name, args in calls.items():
             to_engine = declaration.engine and name in self.engines  # its rollout engine of its own
-            if to_engine:
-                self._sync_engine(name, args[0].policy_version)
-            group = ([self.engines[name]] if to_engine
-                     else self.workers[name] if dispatch.all_workers else self.workers[name][:1])
-            if len(group) > 1:  # one copy in the object store for all workers
-                args = tuple(ray.put(arg) for arg in args)
-            refs.update({actor.call.remote(name, method_label, *args): (name, rank) for rank, actor in enumerate(group)})
+            # a generate is sent before the lock that synced its engine is let go: an actor runs the calls of one
+            # process in the order they were sent, so weights another thread puts into the engine (an evaluation's
+            # newest) come after this generate, never between its sync and it
+            with self.sync_lock if to_engine else contextlib.nullcontext():
+                if to_engine:
+                    self._sync_engine(name, args[0].policy_version)
+                group = ([self.engines[name]] if to_engine
+                         else self.workers[name] if dispatch.all_workers else self.workers[name][:1])
+                if len(group) > 1:  # one copy in the object store for all workers
+                    args = tuple(ray.put(arg) for arg in args)
+                refs.update({actor.call.remote(name, method_label, *args): (name, rank)
+                             for rank, actor in enumerate(group)})
         deadline = None if timeout is None else time.monotonic() + timeout
         answers: dict[str, dict[int, Any]] = {name: {} for name in calls}
         pending = list(refs)

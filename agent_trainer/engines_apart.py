@@ -36,7 +36,7 @@ class EnginesApart:
         self.published: dict[str, dict[int, Any]] = {a: {} for a in self.engines}  # version -> object ref (store)
         self.engine_version: dict[str, int | None] = dict.fromkeys(self.engines)
         self.planned: dict[str, int] = {}  # agent -> the last version a rollout named
-        self.sync_lock = threading.Lock()
+        self.sync_lock = threading.RLock()  # also held from a generate's sync until the generate is sent (`_fan_out`)
         self.channels: dict[str, str] = {}  # agent -> its weight channel's backend (rollout.weight_transfer: group)
 
     @property

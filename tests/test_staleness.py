@@ -336,6 +336,27 @@ def test_a_separate_engine_samples_in_its_own_process_the_version_its_learner_pu
         assert [r["staleness/a/max"] for r in runs[placement][:-1]] == [min(s, k) for s in range(4)]
 
 
+def test_an_evaluation_never_puts_its_weights_between_a_rollouts_sync_and_its_generate(ray_cluster, monkeypatch):
+    """Through the object store an evaluation does not wait for the rollouts played ahead: it puts the newest weights
+    into the engine while a rollout draws with older ones, which the rollout's next generate puts back. A generate is
+    sent before the lock of its sync is let go, so the evaluation's weights never land between the two. Each
+    rollout's sync here is followed by 0.2 s in the lock, the window an evaluation would otherwise fall into."""
+    from agent_trainer.actor import RayTrainers
+
+    synced = RayTrainers._sync_engine
+
+    def slow(self, agent, version):
+        synced(self, agent, version)
+        if version is not None:  # a rollout's (an evaluation asks for the newest: None)
+            time.sleep(0.2)
+
+    monkeypatch.setattr(RayTrainers, "_sync_engine", slow)
+    with Coordinator(validate_config(_placed("store")), None) as coord:
+        rows_ = coord.run()
+    assert [r["step"] for r in rows_] == [1, 2, 3, 4]
+    assert [r["staleness/a/max"] for r in rows_] == [0, 1, 1, 1]
+
+
 def test_validate_says_how_far_ahead_rollouts_run(tmp_path):
     from tests.runs import marsi
 
