@@ -194,7 +194,7 @@ def shared_gpu(learner: dict[str, Any], engine: dict[str, Any]) -> str | None:
     GPU), or None: a weight channel between them cannot be an NCCL group."""
     if learner["node"] != engine["node"]:
         return None
-    both = sorted(set(learner.get("gpu_ids") or ()) & set(engine.get("gpu_ids") or ()))
+    both = sorted(set(learner["gpu_ids"]) & set(engine["gpu_ids"]))
     return both[0] if both else None
 
 

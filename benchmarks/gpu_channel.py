@@ -13,9 +13,9 @@ SmolLM2-135M's shape (`--layers` of width 576, a tied embedding) with its own ra
    engine's weights do not move.
 3. **Memory.** The extra device memory each side allocates during a transfer (peak over what it held before): at
    most one bucket (`weight_channel._BUCKET_BYTES`, 16 MiB).
-4. **Time.** The median transfer (`--repeats`, after one warm-up), from both sides leaving a barrier to the later
-   one returning, against one copy of the same bytes from GPU 0 to GPU 1 in one process (the floor between the two
-   devices) and one copy within GPU 0. The issue's bound: at most 2x the copy.
+4. **Time.** A transfer: each side's median (`--repeats`, after one warm-up) from leaving a barrier to its call
+   returning, the larger of the two; against one copy of the same bytes from GPU 0 to GPU 1 in one process (the
+   floor between the two devices) and one copy within GPU 0. The target: at most 2x the copy between the devices.
 
 Fewer than 2 GPUs: skipped (NCCL refuses two ranks on one device). `--cpu` runs the same steps with gloo on CPU
 (the broadcast path; no memory figure) to smoke-test this script where there is no GPU. Exit status 1 when a
@@ -44,11 +44,16 @@ from agent_trainer.weight_channel import _BUCKET_BYTES, ChannelRefused, WeightCh
 _STORE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
+SMOLLM2_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                 "num_key_value_heads": 3, "tie_word_embeddings": True}
+"""SmolLM2-135M's shape (its vocabulary aside), for models built with random weights here and in `gpu_check`."""
+
+
 def model(layers: int, seed: int, device: torch.device) -> torch.nn.Module:
+    """A model of SmolLM2-135M's shape, with SmolLM2's vocabulary size and `layers` layers, random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    config = LlamaConfig(**{**SMOLLM2_SHAPE, "num_hidden_layers": layers}, vocab_size=49152)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(device)
 
@@ -107,7 +112,8 @@ def _side(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None
         if rank == 0:
             report["bytes"] = sum(t.numel() * t.element_size() for _, t in unique(weights))
             report["copy_peer"] = copy_seconds(weights, torch.device("cuda:1") if gpu else device, args.repeats)
-            report["copy_local"] = copy_seconds(weights, device, args.repeats) if gpu else report["copy_peer"]
+            if gpu:
+                report["copy_local"] = copy_seconds(weights, device, args.repeats)
     except Exception as exc:  # noqa: BLE001 - reported by the parent
         report["error"] = f"{type(exc).__name__}: {exc}"
     out.put(report)

@@ -54,7 +54,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from agent_trainer.trainer import AgentTrainer  # noqa: E402
-from gpu_channel import check_weight_channel  # noqa: E402
+from gpu_channel import SMOLLM2_SHAPE, check_weight_channel  # noqa: E402
 from protocols.config import AgentConfig, AlgorithmConfig  # noqa: E402
 from protocols.messages import Experience, GenerateRequest, UpdateRequest  # noqa: E402
 
@@ -73,10 +73,8 @@ def random_smollm2(out: Path) -> str:
     from agent_trainer.models import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                         rope_theta=100000.0, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    config = LlamaConfig(**SMOLLM2_SHAPE, vocab_size=len(tok), max_position_embeddings=2048, rope_theta=100000.0,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out)
     tok.save_pretrained(out)
